@@ -1,0 +1,1 @@
+"""jaxdist: tf.distribute-style distribution strategies for JAX."""
