@@ -104,8 +104,8 @@ class DistributedDataset:
         self._prefetch = prefetch
         self._epoch = 0
         if isinstance(data, (tuple, dict, np.ndarray)):
+            self._num_examples = check_batch_leaves(data, n, what="dataset")
             self._arrays = jax.tree.map(np.asarray, data)
-            self._num_examples = check_batch_leaves(self._arrays, n, what="dataset")
             self._iterable = None
         elif isinstance(data, Iterable) or callable(data):
             if shuffle:

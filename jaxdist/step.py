@@ -126,7 +126,7 @@ def _compiled_run(strategy: "MeshStrategy", fn: Callable, treedef, kinds: tuple[
     in_specs = tuple(jax.P() if k == _REPLICATED else split for k in kinds)
 
     def body(*tops):
-        tops = [jax.tree.map(lambda x: x[0], t) if k == _PER_REPLICA else t
+        tops = [jax.tree.map(lambda x: x[0], t.stacked) if k == _PER_REPLICA else t
                 for k, t in zip(kinds, tops)]
         args, kwargs = jax.tree.unflatten(treedef, tops)
         out = fn(*args, **kwargs)

@@ -267,6 +267,9 @@ class MeshStrategy(Strategy):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _reduce_stacked_jit(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
     def one(x):
+        if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
+            raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
+                             f"of shape {x.shape[1:]}; use axis=None to reduce across replicas only")
         axes = (0,) if axis is None else (0, 1 + axis % (x.ndim - 1))
         total = jnp.sum(x, axis=axes)
         if op == "mean":

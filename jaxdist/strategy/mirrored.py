@@ -121,10 +121,10 @@ def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
     >>> import jax, jax.numpy as jnp, jaxdist
     >>> @jaxdist.mirrored(devices=jax.devices()[:1])
     ... def step(w, batch):
-    ...     return w - 0.1 * jnp.mean(batch), {"mean": jnp.mean(batch)}
+    ...     return w - 0.5 * jnp.mean(batch), {"mean": jnp.mean(batch)}
     >>> w, m = step(jnp.float32(1.0), jnp.ones(4, jnp.float32))
     >>> float(w), step.strategy.num_replicas_in_sync
-    (0.9, 1)
+    (0.5, 1)
     """
     strategy = MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops,
                                 pack_bytes=pack_bytes, compress=compress)
