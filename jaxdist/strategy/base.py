@@ -133,11 +133,15 @@ class MeshStrategy(Strategy):
         me = jax.process_index()
         return tuple(d for d in self._mesh.devices.flat if d.process_index == me)
 
-    def _context(self, per_replica: bool) -> replica.ReplicaContext:
-        return replica.ReplicaContext(
+    @functools.cached_property
+    def _contexts(self) -> dict[bool, replica.ReplicaContext]:
+        return {per_replica: replica.ReplicaContext(
             axes=self._data_axes, num_replicas=self.num_replicas_in_sync, per_replica=per_replica,
             implementation=self._implementation, pack_bytes=self._pack_bytes,
-            compress=self._compress)
+            compress=self._compress) for per_replica in (False, True)}
+
+    def _context(self, per_replica: bool) -> replica.ReplicaContext:
+        return self._contexts[per_replica]
 
     # --- placement ------------------------------------------------------------------------------
     def _state_shardings(self, tree: PyTree) -> PyTree:
@@ -154,6 +158,10 @@ class MeshStrategy(Strategy):
         True
         """
         rep = self._replicated
+        # The steady state: a step's output fed straight back in, already placed. Checking the
+        # leaves is much cheaper than rebuilding the tree.
+        if all(isinstance(x, jax.Array) and x.sharding is rep for x in jax.tree.leaves(tree)):
+            return tree
 
         def place(x):
             if isinstance(x, jax.Array) and (x.sharding is rep or x.sharding == rep):
