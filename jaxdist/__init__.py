@@ -6,6 +6,7 @@
 """
 
 from jaxdist import callbacks as callbacks
+from jaxdist import checkpoint as checkpoint
 from jaxdist import datasets as datasets
 from jaxdist import models as models
 from jaxdist.fit import History as History
@@ -20,16 +21,19 @@ from jaxdist.replica import num_replicas as num_replicas
 from jaxdist.replica import replica_id as replica_id
 from jaxdist.strategy import DefaultStrategy as DefaultStrategy
 from jaxdist.strategy import MirroredStrategy as MirroredStrategy
+from jaxdist.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategy import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategy import PerReplica as PerReplica
 from jaxdist.strategy import Strategy as Strategy
+from jaxdist.strategy import TPUStrategy as TPUStrategy
 from jaxdist.strategy import mirrored as mirrored
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
-    "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy", "all_reduce", "callbacks",
+    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy",
+    "TPUStrategy", "all_reduce", "callbacks", "checkpoint",
     "compute_average_loss", "datasets", "evaluate", "fit", "mirrored", "models", "num_replicas",
     "replica_id",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -184,17 +184,20 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     if steps_per_epoch is not None:
         planned = steps_per_epoch if planned is None else min(planned, steps_per_epoch)
     info = TrainInfo(epoch=initial_epoch, state=state, steps_per_epoch=planned, epochs=epochs,
-                     global_batch_size=dataset.global_batch_size)
+                     global_batch_size=dataset.global_batch_size, strategy=strategy)
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
     for cb in cbs:
         cb.on_train_begin(info)
-    for epoch in range(info.epoch, epochs):
-        info.epoch, info.epoch_steps, info.logs = epoch, 0, {}
+    # A callback may have restored a backup: carry on from its epoch and batch.
+    start_epoch, start_position = info.epoch, info.position
+    for epoch in range(start_epoch, epochs):
+        position = start_position if epoch == start_epoch else 0
+        info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
         for cb in cbs:
             cb.on_epoch_begin(info)
         meter = _Meter(max_in_flight)
-        it = dataset.iterator(epoch=epoch)
+        it = info.iterator = dataset.iterator(epoch=epoch, position=position)
         checked = False
         for batch in it:
             info.state, metrics = step(info.state, batch)
@@ -204,6 +207,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
             meter.push(metrics, it.last_num_real)
             info.step += 1
             info.epoch_steps += 1
+            info.position = it.position
             info.logs = meter.result()
             for cb in cbs:
                 cb.on_train_batch_end(info)

@@ -7,3 +7,5 @@ from jaxdist.strategy.mirrored import DefaultStrategy as DefaultStrategy
 from jaxdist.strategy.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategy.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategy.mirrored import mirrored as mirrored
+from jaxdist.strategy.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from jaxdist.strategy.multi_worker import TPUStrategy as TPUStrategy

@@ -16,8 +16,37 @@ CROSS_DEVICE_OPS = ("xla", "ring", "hierarchical", "one_device")
 COMPRESSIONS = (None, "bf16")
 
 
+def check_cross_device_options(strategy) -> None:
+    """Validates ``cross_device_ops`` / ``pack_bytes`` / ``compress`` of a mirrored-style strategy."""
+    name = type(strategy).__name__
+    if strategy.cross_device_ops not in CROSS_DEVICE_OPS:
+        raise ValueError(f"{name}(cross_device_ops={strategy.cross_device_ops!r}) is not one of "
+                         f"{CROSS_DEVICE_OPS}")
+    pack = strategy.pack_bytes
+    if pack is not None and (not isinstance(pack, int) or isinstance(pack, bool) or pack <= 0):
+        raise ValueError(f"{name}(pack_bytes={pack!r}) must be a positive number of bytes or None")
+    if strategy.compress not in COMPRESSIONS:
+        raise ValueError(f"{name}(compress={strategy.compress!r}) must be None or 'bf16'")
+
+
+class _CrossDeviceOptions:
+    """Maps the public option fields onto what MeshStrategy reads."""
+
+    @property
+    def _implementation(self) -> str:
+        return self.cross_device_ops
+
+    @property
+    def _pack_bytes(self) -> int | None:
+        return self.pack_bytes
+
+    @property
+    def _compress(self) -> str | None:
+        return self.compress
+
+
 @dataclasses.dataclass(frozen=True)
-class MirroredStrategy(MeshStrategy):
+class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     """Synchronous data parallelism over the local devices (``tf.distribute.MirroredStrategy``).
 
     State is replicated on every device; each step's global batch is split over them; gradients are
@@ -45,27 +74,7 @@ class MirroredStrategy(MeshStrategy):
     def __post_init__(self):
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy"))
-        if self.cross_device_ops not in CROSS_DEVICE_OPS:
-            raise ValueError(f"MirroredStrategy(cross_device_ops={self.cross_device_ops!r}) is not "
-                             f"one of {CROSS_DEVICE_OPS}")
-        if self.pack_bytes is not None and (not isinstance(self.pack_bytes, int)
-                                            or self.pack_bytes <= 0):
-            raise ValueError(f"MirroredStrategy(pack_bytes={self.pack_bytes!r}) must be a positive "
-                             "number of bytes or None")
-        if self.compress not in COMPRESSIONS:
-            raise ValueError(f"MirroredStrategy(compress={self.compress!r}) must be None or 'bf16'")
-
-    @property
-    def _implementation(self) -> str:
-        return self.cross_device_ops
-
-    @property
-    def _pack_bytes(self) -> int | None:
-        return self.pack_bytes
-
-    @property
-    def _compress(self) -> str | None:
-        return self.compress
+        check_cross_device_options(self)
 
     def _build_mesh(self) -> Mesh:
         devices = resolve_devices(self.devices, "MirroredStrategy")

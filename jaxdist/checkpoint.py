@@ -1,0 +1,157 @@
+"""Checkpoints over Orbax: every process writes its shards, restores reshard onto any strategy.
+
+A checkpoint holds the train state (arrays, including any RNG key data kept in it), the step, and
+the input iterator's position, so that a run killed and resumed continues from exactly the next
+batch. Orbax writes each step into a temporary directory and renames it only once every process has
+finished, so a crash mid-save never leaves a step that restores as valid.
+
+Multi-process contract: every process constructs the manager with the same directory and calls
+``save`` / ``restore`` / ``wait_until_finished`` for the same steps (they synchronise internally).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxdist._types import PyTree
+
+if TYPE_CHECKING:
+    from jaxdist.strategy.base import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or cannot be read; the message names it and the usable ones."""
+
+
+def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
+    """Shapes, dtypes and the shardings to restore into (the target strategy's, if given)."""
+    if strategy is not None:
+        shardings = strategy._state_shardings(target)
+    else:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(
+            lambda x: x.sharding if isinstance(x, jax.Array) else default, target)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s),
+        target, shardings)
+
+
+class CheckpointManager:
+    """Saves and restores train states with Orbax (async by default).
+
+    Args:
+      directory: where steps are written (``<directory>/<step>/``); created if missing.
+      max_to_keep: newest checkpoints kept (older ones are deleted after a successful save).
+      async_save: write in the background; ``save`` returns once the device arrays are copied.
+
+    >>> import tempfile, jax.numpy as jnp
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     mgr = CheckpointManager(d, async_save=False)
+    ...     _ = mgr.save(3, {"w": jnp.arange(3.0)})
+    ...     mgr.latest_step(), mgr.restore(target={"w": jnp.zeros(3)})["w"].tolist()
+    (3, [0.0, 1.0, 2.0])
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
+                 async_save: bool = True):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._mgr = ocp.CheckpointManager(
+            self.directory, item_names=("state", "meta"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                 enable_async_checkpointing=async_save))
+
+    def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
+             metadata: dict | None = None, force: bool = True) -> bool:
+        """Writes ``state`` (and the iterator position) as checkpoint ``step``; all processes call it.
+
+        Args:
+          step: the step number (the checkpoint's name).
+          state: a pytree of arrays, laid out however the running strategy placed it.
+          data_iterator: a ``DistributedIterator`` (or anything with ``state() -> dict``).
+          metadata: small JSON-serialisable extras.
+
+        Returns:
+          Whether a save was started.
+        """
+        meta = {"step": int(step), "data": data_iterator.state() if data_iterator is not None else None,
+                "user": metadata or {}}
+        return self._mgr.save(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint, or None."""
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
+
+    def _check_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint in {self.directory}; save one first, or check "
+                                      "the directory (a save that crashed midway is not listed)")
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available "
+                                  f"steps: {steps or 'none'}")
+        return step
+
+    def restore(self, step: int | None = None, *, target: PyTree,
+                strategy: "Strategy | None" = None) -> PyTree:
+        """Reads checkpoint ``step`` (the latest when None) into arrays shaped like ``target``.
+
+        Args:
+          target: a pytree with the structure, shapes and dtypes of the saved state (a freshly
+            initialised state, or its ``jax.ShapeDtypeStruct``\\ s); its values are not used.
+          strategy: place the result the way this strategy places state. It need not be the one
+            that saved: a checkpoint written by 2 processes × 2 devices restores on 1 × 8 or on 1.
+
+        Raises:
+          CheckpointError: no such step, or its files are corrupt / do not match ``target`` (the
+            message lists the other steps, which stay usable).
+        """
+        step = self._check_step(step)
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(target, strategy))))
+        except Exception as e:  # orbax/tensorstore raise many types; name the step either way
+            others = [s for s in self.all_steps() if s != step]
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be restored "
+                f"({type(e).__name__}: {str(e)[:500]}); it is corrupt or does not match the target "
+                f"state's structure. Other steps you can restore: {others or 'none'}") from e
+        return out["state"]
+
+    def metadata(self, step: int | None = None) -> dict:
+        """``{"step", "data" (iterator state or None), "user"}`` saved with checkpoint ``step``."""
+        step = self._check_step(step)
+        try:
+            return dict(self._mgr.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory}: metadata cannot be "
+                                  f"read ({type(e).__name__}: {e})") from e
+
+    def wait_until_finished(self) -> None:
+        """Blocks until background writes are durable (call before exiting)."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

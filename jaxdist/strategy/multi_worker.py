@@ -1,0 +1,81 @@
+"""Strategies over several hosts (MultiWorkerMirrored) and over TPU cores (TPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxdist import mesh as mesh_lib
+from jaxdist.strategy.base import MeshStrategy
+from jaxdist.strategy.mirrored import _CrossDeviceOptions, check_cross_device_options
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
+    """Synchronous data parallelism over every device of every process.
+
+    Call ``jaxdist.initialize(...)`` (or launch with ``jaxdist launch``) before the first JAX call,
+    then build the strategy on every process. The mesh is 2-D, ``(host, local)``: row ``h`` is process
+    ``h``'s devices, so hierarchical reductions can reduce within a host before crossing hosts.
+    ``distribute`` reads on each process only the rows of each global batch that its devices hold.
+
+    Args:
+      cluster: the ``jaxdist.ClusterSpec`` the job was initialised with (optional; when given, the
+        strategy checks that the runtime really has that many processes).
+      cross_device_ops, pack_bytes, compress: as for ``MirroredStrategy`` (per-replica view).
+    """
+
+    cluster: Any = None
+    cross_device_ops: str = "xla"
+    pack_bytes: int | None = None
+    compress: str | None = None
+
+    def __post_init__(self):
+        check_cross_device_options(self)
+
+    def _build_mesh(self) -> Mesh:
+        expected = getattr(self.cluster, "num_processes", None)
+        if expected is not None and expected != jax.process_count():
+            raise RuntimeError(
+                f"the cluster has {expected} processes but JAX runs {jax.process_count()}; call "
+                "jaxdist.initialize(cluster) on every process before any other JAX call")
+        return mesh_lib.host_local_mesh(jax.devices(), jax.process_count())
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUStrategy(_CrossDeviceOptions, MeshStrategy):
+    """``MirroredStrategy`` over the TPU cores (``jax.devices("tpu")``), all-reducing over ICI.
+
+    Raises:
+      RuntimeError: when no TPU is present (the message suggests ``MirroredStrategy``).
+    """
+
+    cross_device_ops: str = "xla"
+    pack_bytes: int | None = None
+    compress: str | None = None
+
+    def __post_init__(self):
+        check_cross_device_options(self)
+        self._tpu_devices()  # fail at construction: a TPU strategy without TPUs is a config error
+
+    @staticmethod
+    def _tpu_devices() -> list[jax.Device]:
+        try:
+            devices = jax.devices("tpu")
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"TPUStrategy found no TPU ({e}). On a TPU VM or Colab TPU runtime install "
+                "`pip install jaxdist[tpu]`; elsewhere use jaxdist.MirroredStrategy(), which runs the "
+                "same code on the devices you have.") from e
+        return devices
+
+    def _build_mesh(self) -> Mesh:
+        devices = self._tpu_devices()
+        if jax.process_count() > 1:  # a TPU pod slice: every host's cores, laid out (host, local)
+            return mesh_lib.host_local_mesh(devices, jax.process_count())
+        if self.cross_device_ops == "hierarchical":
+            return mesh_lib.host_local_mesh(devices, num_hosts=1)
+        return mesh_lib.local_mesh(devices)
