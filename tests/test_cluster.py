@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -195,6 +196,41 @@ def test_psum_and_barrier_timeout_across_two_processes():
         assert f"[{rank}] process {rank} finished" in result.output
     assert "[0] missing=[1] message: barrier 'only-process-0' (call #0) timed out after 2 s " \
            "on process 0: process(es) [1] of [0, 1] did not arrive" in result.output
+
+
+def _free_slurm_job_id() -> int:
+    # JAX derives the coordinator port from the job id: 61440 + id % 4096.
+    for job_id in range(os.getpid() % 4096, os.getpid() % 4096 + 4096):
+        port = 61440 + job_id % 4096
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return job_id
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 61440..65535")
+
+
+@pytest.mark.multiprocess
+def test_initialize_defers_to_jax_cluster_detection_under_slurm():
+    job_id = _free_slurm_job_id()
+    slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "127.0.0.1",
+             "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1", "JAX_NUM_CPU_DEVICES": "2",
+             "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "psum_barrier.py")],
+                              env={**_env(), **slurm, "SLURM_PROCID": str(i),
+                                   "SLURM_LOCALID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for i, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, output
+        assert f"spec 127.0.0.1:{61440 + job_id % 4096} 2 {i}" in output
+        assert f"process {i}/2 devices=4 psum=10.0" in output
 
 
 @pytest.mark.multiprocess

@@ -4,7 +4,8 @@ import numpy as np
 
 import jaxdist.cluster as cluster
 
-spec = cluster.initialize(timeout_s=60)  # from the launcher's JAXDIST_* variables
+spec = cluster.initialize(timeout_s=60)  # from JAXDIST_* (the launcher) or JAX's detection
+print(f"spec {spec.coordinator_address} {spec.num_processes} {spec.process_id}")
 
 import jax  # noqa: E402  (the backend must start after initialize)
 
