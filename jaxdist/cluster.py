@@ -72,6 +72,19 @@ def _check_address(field: str, value: Any) -> None:
                     "write it as 'host:port', e.g. '10.0.0.1:1234' or '[::1]:1234'") from None
 
 
+def _check_addresses(groups: Mapping[str, Sequence[str]]) -> None:
+    """Validates every address of every named group; no address may appear twice."""
+    seen: dict[str, str] = {}
+    for group, addresses in groups.items():
+        for i, address in enumerate(addresses):
+            field = f"{group}[{i}]"
+            _check_address(field, address)
+            if address in seen:
+                raise _fail(field, address, f"duplicate address, also {seen[address]}",
+                            "give every task its own host:port")
+            seen[address] = field
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -154,9 +167,7 @@ class ClusterSpec:
                             "processes needs a coordinator", "pass process 0's 'host:port'")
         else:
             _check_address("coordinator_address", self.coordinator_address)
-        for name in ("ps", "workers", "evaluator"):
-            for i, address in enumerate(getattr(self, name)):
-                _check_address(f"{name}[{i}]", address)
+        _check_addresses({name: getattr(self, name) for name in ("workers", "ps", "evaluator")})
         if self.workers:
             if len(self.workers) != self.num_processes:
                 raise _fail("workers", self.workers, f"{len(self.workers)} addresses but "
@@ -166,13 +177,6 @@ class ClusterSpec:
                 raise _fail("coordinator_address", self.coordinator_address,
                             f"process 0's address is {self.workers[0]!r}",
                             "use process 0's address as the coordinator")
-        seen: dict[str, str] = {}
-        for name in ("workers", "ps", "evaluator"):
-            for i, address in enumerate(getattr(self, name)):
-                if address in seen:
-                    raise _fail(f"{name}[{i}]", address, f"the same address as {seen[address]}",
-                                "give every task its own host:port")
-                seen[address] = f"{name}[{i}]"
 
     @property
     def is_jax_process(self) -> bool:
@@ -301,20 +305,11 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
         if isinstance(addresses, str) or not isinstance(addresses, Sequence):
             raise _fail(f"TF_CONFIG['cluster'][{job!r}]", addresses,
                         "expected a list of 'host:port' addresses", f'write "{job}": ["host:port"]')
-        for i, address in enumerate(addresses):
-            _check_address(f"TF_CONFIG['cluster'][{job!r}][{i}]", address)
         jobs[job] = tuple(addresses)
+    _check_addresses({f"TF_CONFIG['cluster'][{job!r}]": a for job, a in jobs.items()})
     if len(jobs.get("chief", ())) > 1:
         raise _fail("TF_CONFIG['cluster']['chief']", list(jobs["chief"]),
                     "at most one chief is allowed", "move the others to 'worker'")
-    seen: dict[str, str] = {}
-    for job, addresses in jobs.items():
-        for i, address in enumerate(addresses):
-            if address in seen:
-                raise _fail(f"TF_CONFIG['cluster'][{job!r}][{i}]", address,
-                            f"duplicate address, also {seen[address]}",
-                            "give every task its own host:port")
-            seen[address] = f"TF_CONFIG['cluster'][{job!r}][{i}]"
     processes = jobs.get("chief", ()) + jobs.get("worker", ())
     if not processes:
         raise _fail("TF_CONFIG['cluster']", dict(cluster), "no 'chief' and no 'worker' task",
@@ -538,8 +533,14 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
 
 def _join_autodetected(timeout_s: float) -> ClusterSpec:
     import jax
+    from jax._src import xla_bridge
     state = _distributed_state()
-    _check_backend_not_started()
+    if xla_bridge.backends_are_initialized():
+        # Too late to join anything: this process can only be a job of its own.
+        logger.warning("JAX's backend started before jaxdist.initialize(); continuing as a "
+                       "single process. In a multi-process job, call jaxdist.initialize() "
+                       "before any other JAX call.")
+        return ClusterSpec.single_process()
     with _Watchdog(timeout_s, f"the job detected from the environment (SLURM / Open MPI / "
                    f"Kubernetes / Cloud TPU) did not come up within {timeout_s:g} s. Check the "
                    "scheduler's logs for processes that failed to start."):

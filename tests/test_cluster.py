@@ -247,3 +247,13 @@ def test_initialize_fails_in_bounded_time(process_id, returncode, expected):
     assert proc.returncode == returncode, proc.stdout + proc.stderr
     assert expected.format(port=port) in proc.stdout + proc.stderr
     assert "Check that" in proc.stdout + proc.stderr
+
+
+def test_initialize_after_backend_started_says_to_call_it_first():
+    code = ("import jax; jax.devices(); import jaxdist.cluster as c; "
+            "c.initialize(c.ClusterSpec('127.0.0.1:1234', 2, 0))")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 1
+    assert "RuntimeError: jaxdist.initialize must run before anything starts JAX's backend" \
+        in proc.stderr
