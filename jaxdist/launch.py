@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -213,9 +214,21 @@ class _Launcher:
         return 128 + signum
 
     def _pump(self, rank: int, stream: str, pipe) -> None:
+        # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
+        pending = b""
         with pipe:
-            for line in iter(pipe.readline, b""):
-                self._emit(rank, stream, line if line.endswith(b"\n") else line + b"\n")
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                pending += chunk
+                start = 0
+                for end in _LINE_END.finditer(pending):
+                    self._emit(rank, stream, pending[start:end.end()])
+                    start = end.end()
+                pending = pending[start:]
+        if pending:
+            self._emit(rank, stream, pending + b"\n")
+
+
+_LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")
 
 
 def run(target: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
@@ -314,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     def emit(rank: int | None, stream: str, line: bytes) -> None:
         out = sys.stdout if stream == "stdout" else sys.stderr
         with lock:  # whole lines only, so ranks never interleave within a line
-            out.buffer.write(line if rank is None else b"[%d] %s" % (rank, line))
-            out.buffer.flush()
+            try:
+                out.buffer.write(line if rank is None else b"[%d] %s" % (rank, line))
+                out.buffer.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the reader went away (`| head`); keep draining so children never block
 
     launcher = _Launcher(target, options, emit, None, None)
     previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))

@@ -37,6 +37,7 @@ def test_output_is_prefixed_by_rank_in_whole_lines():
                          re.M)
         assert f"[{rank}] a partial line from rank {rank}" in lines
         assert f"[{rank}] to stderr from rank {rank}" in lines
+        assert f"[{rank}] progress 1\r[{rank}] progress 2 of rank {rank}\r\n" in result.output
         assert f"[{rank}] no newline at the end from rank {rank}" in lines
 
 

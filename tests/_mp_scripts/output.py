@@ -12,5 +12,6 @@ for piece in ("a partial", " line from ", f"rank {rank}\n"):
     sys.stdout.write(piece)
     sys.stdout.flush()
     time.sleep(0.05)
+sys.stdout.write(f"progress 1\rprogress 2 of rank {rank}\r\n")  # a progress bar's updates
 print(f"to stderr from rank {rank}", file=sys.stderr)
 sys.stdout.write(f"no newline at the end from rank {rank}")
