@@ -99,7 +99,7 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
 
 class _Launcher:
     def __init__(self, target: Sequence[str], options: _Options,
-                 emit: Callable[[int | None, str, bytes], None],
+                 emit: Callable[[str, bytes], None],
                  env: Mapping[str, str] | None, cwd: str | None):
         self._command = [sys.executable, *target]
         self._options = options
@@ -111,7 +111,7 @@ class _Launcher:
         self.restarts = 0
 
     def say(self, message: str) -> None:
-        self._emit(None, "stderr", (_PREFIX + message + "\n").encode())
+        self._emit("stderr", (_PREFIX + message + "\n").encode())
 
     def request_stop(self, signum: int) -> None:
         """Called from a signal handler: forward `signum`; a second signal kills at once."""
@@ -215,17 +215,17 @@ class _Launcher:
 
     def _pump(self, rank: int, stream: str, pipe) -> None:
         # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
-        pending = b""
+        prefix, pending = b"[%d] " % rank, b""
         with pipe:
             for chunk in iter(lambda: pipe.read1(65536), b""):
                 pending += chunk
                 start = 0
                 for end in _LINE_END.finditer(pending):
-                    self._emit(rank, stream, pending[start:end.end()])
+                    self._emit(stream, prefix + pending[start:end.end()])
                     start = end.end()
                 pending = pending[start:]
         if pending:
-            self._emit(rank, stream, pending + b"\n")
+            self._emit(stream, prefix + pending + b"\n")
 
 
 _LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")
@@ -264,9 +264,9 @@ def run(target: Sequence[str], *, num_processes: int, devices_per_process: int |
     lines: list[bytes] = []
     lock = threading.Lock()
 
-    def emit(rank: int | None, stream: str, line: bytes) -> None:
+    def emit(stream: str, line: bytes) -> None:
         with lock:
-            lines.append(line if rank is None else b"[%d] %s" % (rank, line))
+            lines.append(line)
 
     launcher = _Launcher(target, options, emit, env, cwd)
     code = launcher.run()
@@ -324,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     lock = threading.Lock()
 
-    def emit(rank: int | None, stream: str, line: bytes) -> None:
+    def emit(stream: str, line: bytes) -> None:
         out = sys.stdout if stream == "stdout" else sys.stderr
         with lock:  # whole lines only, so ranks never interleave within a line
             try:
-                out.buffer.write(line if rank is None else b"[%d] %s" % (rank, line))
+                out.buffer.write(line)
                 out.buffer.flush()
             except (BrokenPipeError, ValueError):
                 pass  # the reader went away (`| head`); keep draining so children never block
