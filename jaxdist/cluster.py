@@ -595,7 +595,7 @@ class BarrierTimeoutError(TimeoutError):
         self.name, self.missing, self.timeout_s = name, missing, timeout_s
 
 
-_barrier_counts: dict[tuple[str, tuple[int, ...] | None], int] = {}
+_barrier_counts: dict[str, int] = {}
 _KV_PREFIX = "jaxdist/barrier"
 
 
@@ -628,11 +628,15 @@ def barrier(name: str, /, *, timeout_s: float = 60.0,
         return
     me = state.process_id
     expected = tuple(range(state.num_processes)) if process_ids is None else tuple(process_ids)
-    key = (name, None if process_ids is None else expected)
+    if me not in expected:
+        raise _fail("process_ids", list(expected), f"this process ({me}) is not one of them",
+                    "call barrier only on the processes listed, or add this one")
+    # A subset's barrier is a different barrier from the full one of the same name.
+    tag = name if process_ids is None else f"{name}@{'-'.join(map(str, expected))}"
     with _lock:
-        count = _barrier_counts.get(key, 0)
-        _barrier_counts[key] = count + 1
-    directory = f"{_KV_PREFIX}/{name}/{count}/"
+        count = _barrier_counts.get(tag, 0)
+        _barrier_counts[tag] = count + 1
+    directory = f"{_KV_PREFIX}/{tag}/{count}/"
     # Arrival keys let a process that times out say who is missing; the "at" key says where
     # each process last waited, which points at a mismatched barrier name.
     client.key_value_set(directory + str(me), "1")
@@ -640,17 +644,19 @@ def barrier(name: str, /, *, timeout_s: float = 60.0,
                          allow_overwrite=True)
     from jax.errors import JaxRuntimeError
     try:
-        client.wait_at_barrier(f"jaxdist:{name}:{count}", max(1, int(timeout_s * 1000)),
+        client.wait_at_barrier(f"jaxdist:{tag}:{count}", max(1, int(timeout_s * 1000)),
                                process_ids=None if process_ids is None else list(expected))
     except JaxRuntimeError as e:
         if "DEADLINE_EXCEEDED" not in str(e):
             raise
         arrived = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(directory)}
         missing = tuple(p for p in expected if p not in arrived)
+        who = (f"process(es) {list(missing)} of {list(expected)} did not arrive "
+               f"({_last_seen(client, missing)})" if missing else
+               f"all of {list(expected)} arrived, the last ones after the deadline")
         raise BarrierTimeoutError(
             f"barrier {name!r} (call #{count}) timed out after {timeout_s:g} s on process {me}: "
-            f"process(es) {list(missing)} of {list(expected)} did not arrive "
-            f"({_last_seen(client, missing)}). Fix: call jaxdist.barrier({name!r}) on every "
+            f"{who}. Fix: call jaxdist.barrier({name!r}) on every "
             "process in the same order; check the missing processes' logs for an error or a "
             "slow step, or raise timeout_s.",
             name=name, missing=missing, timeout_s=timeout_s) from e

@@ -194,6 +194,8 @@ def test_psum_and_barrier_timeout_across_two_processes():
         assert f"[{rank}] conflict: jaxdist.initialize: this process already joined" \
             in result.output
         assert f"[{rank}] process {rank} finished" in result.output
+        assert f"[{rank}] subset: process_ids = [{1 - rank}]: this process ({rank}) is not " \
+            "one of them" in result.output
     assert "[0] missing=[1] message: barrier 'only-process-0' (call #0) timed out after 2 s " \
            "on process 0: process(es) [1] of [0, 1] did not arrive" in result.output
 

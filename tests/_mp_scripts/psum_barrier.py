@@ -30,5 +30,10 @@ if me == 0:
         cluster.barrier("only-process-0", timeout_s=2)
     except cluster.BarrierTimeoutError as e:
         print(f"missing={list(e.missing)} message: {e}")
+cluster.barrier("solo", timeout_s=30, process_ids=[me])  # a subset of one: no waiting
+try:
+    cluster.barrier("pair", process_ids=[1 - me])
+except ValueError as e:
+    print("subset:", e)
 cluster.barrier("done", timeout_s=30)
 print(f"process {me} finished")
