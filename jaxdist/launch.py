@@ -1,0 +1,347 @@
+"""`jaxdist launch`: runs N local processes of one job, with restarts.
+
+    python -m jaxdist.launch -n 2 --devices-per-process 2 train.py --epochs 3
+
+Each process gets `JAXDIST_COORDINATOR=127.0.0.1:PORT`, `JAXDIST_NUM_PROCESSES`,
+`JAXDIST_PROCESS_ID` and `JAXDIST_RESTART_COUNT`, so `jaxdist.initialize()` joins the job with
+no arguments. Output lines are prefixed with the rank. When one process fails, the group is
+killed; with `--max-restarts R` it is started again (on a fresh port) up to R times. SIGINT and
+SIGTERM are forwarded to every process; after a grace period the stragglers are killed.
+POSIX only: each process runs in its own session so that killing it kills its children too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from jaxdist.cluster import ENV_RESTART_COUNT, ClusterSpec
+
+_PREFIX = "jaxdist launch: "
+EXIT_TIMEOUT = 124
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """What `run` returns.
+
+    Attributes:
+      returncode: 0 on success; the failing rank's exit code (128 + signal number if it was
+        killed by a signal); 124 on timeout; 128 + signal number when the launcher was
+        interrupted.
+      output: every process's lines prefixed with "[rank] ", and the launcher's own messages,
+        in arrival order.
+      restarts: how many times the group was restarted.
+    """
+
+    returncode: int
+    output: str
+    restarts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    num_processes: int
+    devices_per_process: int | None = None
+    max_restarts: int = 0
+    port: int | None = None
+    timeout_s: float | None = None
+    grace_period_s: float = 20.0
+
+    def __post_init__(self):
+        def check(name, ok, expected):
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected {expected}.")
+        check("num_processes", self.num_processes >= 1, "an integer >= 1")
+        check("devices_per_process",
+              self.devices_per_process is None or self.devices_per_process >= 1, ">= 1")
+        check("max_restarts", self.max_restarts >= 0, ">= 0")
+        check("port", self.port is None or 0 < self.port < 65536, "a port in 1..65535")
+        check("timeout_s", self.timeout_s is None or self.timeout_s > 0, "> 0 seconds")
+        check("grace_period_s", self.grace_period_s >= 0, ">= 0 seconds")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "signal"
+        return f"was killed by {name} ({-returncode})"
+    return f"exited with code {returncode}"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole session has exited already
+
+
+class _Launcher:
+    def __init__(self, target: Sequence[str], options: _Options,
+                 emit: Callable[[str, bytes], None],
+                 env: Mapping[str, str] | None, cwd: str | None):
+        self._command = [sys.executable, *target]
+        self._options = options
+        self._emit = emit
+        self._env = dict(os.environ if env is None else env)
+        self._cwd = cwd
+        self._signal: int | None = None
+        self._wake = threading.Event()
+        self.restarts = 0
+
+    def say(self, message: str) -> None:
+        self._emit("stderr", (_PREFIX + message + "\n").encode())
+
+    def request_stop(self, signum: int) -> None:
+        """Called from a signal handler: forward `signum`; a second signal kills at once."""
+        self._signal = signal.SIGKILL if self._signal is not None else signum
+        self._wake.set()
+
+    def run(self) -> int:
+        options = self._options
+        deadline = None if options.timeout_s is None else time.monotonic() + options.timeout_s
+        if self._env.pop("TF_CONFIG", None) is not None:
+            self.say("ignoring TF_CONFIG: the launcher defines the cluster")
+        for attempt in range(options.max_restarts + 1):
+            port = options.port or _free_port()
+            code, failure = self._run_group(attempt, port, deadline)
+            if failure is None or self._signal is not None or code == EXIT_TIMEOUT:
+                return code
+            if attempt == options.max_restarts:
+                self.say(f"job failed: {failure}" + (
+                    f" (after {attempt} restart(s))" if attempt else ""))
+                return code
+            self.restarts += 1
+            self.say(f"{failure}; restarting the group "
+                     f"(restart {attempt + 1} of {options.max_restarts})")
+        raise AssertionError("unreachable")
+
+    def _child_env(self, rank: int, attempt: int, port: int) -> dict[str, str]:
+        n = self._options.num_processes
+        env = dict(self._env)
+        env.update(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env())
+        env[ENV_RESTART_COUNT] = str(attempt)
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
+        if self._options.devices_per_process is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        return env
+
+    def _run_group(self, attempt: int, port: int,
+                   deadline: float | None) -> tuple[int, str | None]:
+        """Runs one attempt; returns (exit code, failure description or None)."""
+        n = self._options.num_processes
+        procs: list[subprocess.Popen] = []
+        readers: list[threading.Thread] = []
+        try:
+            for rank in range(n):
+                proc = subprocess.Popen(self._command, env=self._child_env(rank, attempt, port),
+                                        cwd=self._cwd, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+                procs.append(proc)
+                for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                    reader = threading.Thread(target=self._pump, args=(rank, stream, pipe),
+                                              daemon=True)
+                    reader.start()
+                    readers.append(reader)
+            return self._supervise(procs, deadline)
+        finally:
+            for proc in procs:  # also reaps grandchildren left behind by a finished rank
+                _kill_group(proc, signal.SIGKILL)
+            for proc in procs:
+                proc.wait()
+            for reader in readers:
+                reader.join(timeout=5.0)
+
+    def _supervise(self, procs: list[subprocess.Popen],
+                   deadline: float | None) -> tuple[int, str | None]:
+        while True:
+            if self._signal is not None:
+                return self._forward_and_wait(procs), "interrupted"
+            codes = [proc.poll() for proc in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                others = [p for p in procs if p.poll() is None]
+                self.say(f"rank {rank} {_describe(code)}; killing the other "
+                         f"{len(others)} running process(es)")
+                return _exit_code(code), f"rank {rank} {_describe(code)}"
+            if all(code == 0 for code in codes):
+                return 0, None
+            if deadline is not None and time.monotonic() > deadline:
+                running = [r for r, code in enumerate(codes) if code is None]
+                self.say(f"timed out after {self._options.timeout_s:g} s with rank(s) "
+                         f"{running} still running; killing the group")
+                return EXIT_TIMEOUT, "timeout"
+            self._wake.wait(0.05)
+
+    def _forward_and_wait(self, procs: list[subprocess.Popen]) -> int:
+        signum = self._signal
+        self.say(f"received {signal.Signals(signum).name}; forwarding it to all "
+                 f"{len(procs)} processes (grace period {self._options.grace_period_s:g} s)")
+        for proc in procs:
+            _kill_group(proc, signum)
+        grace_end = time.monotonic() + self._options.grace_period_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > grace_end or self._signal == signal.SIGKILL:
+                running = [r for r, p in enumerate(procs) if p.poll() is None]
+                self.say(f"rank(s) {running} still running; killing them")
+                break
+            self._wake.clear()
+            self._wake.wait(0.05)
+        return 128 + signum
+
+    def _pump(self, rank: int, stream: str, pipe) -> None:
+        # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
+        prefix, pending = b"[%d] " % rank, b""
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                pending += chunk
+                start = 0
+                for end in _LINE_END.finditer(pending):
+                    self._emit(stream, prefix + pending[start:end.end()])
+                    start = end.end()
+                pending = pending[start:]
+        if pending:
+            self._emit(stream, prefix + pending + b"\n")
+
+
+_LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")
+
+
+def run(target: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
+        max_restarts: int = 0, port: int | None = None, timeout_s: float | None = None,
+        grace_period_s: float = 20.0, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> LaunchResult:
+    """Runs a script as N local processes of one job and collects their output.
+
+    Args:
+      target: what follows the options on the command line: `["script.py", *args]` or
+        `["-m", "module", *args]`; run with the current Python interpreter.
+      num_processes: number of processes.
+      devices_per_process: simulated CPU devices per process (sets `JAX_NUM_CPU_DEVICES`).
+      max_restarts: how many times to restart the group after a failure.
+      port: coordinator port; a free one is picked when None.
+      timeout_s: kill the job after this many seconds (returncode 124).
+      grace_period_s: after a forwarded signal, how long to wait before killing.
+      env: the processes' base environment (default `os.environ`).
+      cwd: the processes' working directory.
+
+    Returns:
+      A `LaunchResult`.
+
+    Raises:
+      ValueError: an option is out of range.
+
+    >>> result = run(["-c", "print('hi')"], num_processes=2, timeout_s=60)
+    >>> result.returncode, sorted(result.output.split("\\n"))
+    (0, ['', '[0] hi', '[1] hi'])
+    """
+    options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
+                       grace_period_s)
+    lines: list[bytes] = []
+    lock = threading.Lock()
+
+    def emit(stream: str, line: bytes) -> None:
+        with lock:
+            lines.append(line)
+
+    launcher = _Launcher(target, options, emit, env, cwd)
+    code = launcher.run()
+    return LaunchResult(code, b"".join(lines).decode("utf-8", "replace"), launcher.restarts)
+
+
+_VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
+                  "--timeout", "--grace-period"}
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Splits argv into the launcher's options and the target (script or -m module + args)."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return list(argv[:i]), list(argv[i + 1:])
+        if arg == "-m" or not arg.startswith("-"):
+            return list(argv[:i]), list(argv[i:])
+        i += 2 if arg in _VALUE_OPTIONS else 1
+    return list(argv), []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxdist launch",
+        usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
+        description="Run N local processes of one multi-process JAX job.")
+    parser.add_argument("-n", "--num-processes", type=int, required=True,
+                        help="number of processes")
+    parser.add_argument("--devices-per-process", type=int, metavar="K",
+                        help="give each process K simulated CPU devices")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="restart the whole group up to R times after a failure")
+    parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="kill the job after this long (exit code 124)")
+    parser.add_argument("--grace-period", type=float, default=20.0, metavar="SECONDS",
+                        help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `jaxdist launch` and `python -m jaxdist.launch`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    options_argv, target = _split_argv(argv)
+    args = parser.parse_args(options_argv)
+    if not target or target == ["-m"]:
+        parser.error("expected a script (script.py [args]) or a module (-m module [args])")
+    try:
+        options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
+                           args.port, args.timeout, args.grace_period)
+    except ValueError as e:
+        parser.error(str(e))
+    lock = threading.Lock()
+
+    def emit(stream: str, line: bytes) -> None:
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        with lock:  # whole lines only, so ranks never interleave within a line
+            try:
+                out.buffer.write(line)
+                out.buffer.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the reader went away (`| head`); keep draining so children never block
+
+    launcher = _Launcher(target, options, emit, None, None)
+    previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return launcher.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""`jaxdist launch`: rank prefixes, failure handling, restarts, signal forwarding."""
+
+import os
+import pathlib
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxdist import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "_mp_scripts"
+pytestmark = pytest.mark.multiprocess
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in ("TF_CONFIG", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS"):
+        env.pop(name, None)
+    return env
+
+
+def test_output_is_prefixed_by_rank_in_whole_lines():
+    result = launch.run([str(SCRIPTS / "output.py")], num_processes=2, devices_per_process=3,
+                        timeout_s=120, env=_env())
+    assert result.returncode == 0, result.output
+    lines = result.output.splitlines()
+    assert all(re.match(r"\[[01]\] ", line) for line in lines), result.output
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank}\] env 2 {rank} 127\.0\.0\.1:\d+ devices=3$", result.output,
+                         re.M)
+        assert f"[{rank}] a partial line from rank {rank}" in lines
+        assert f"[{rank}] to stderr from rank {rank}" in lines
+        assert f"[{rank}] progress 1\r[{rank}] progress 2 of rank {rank}\r\n" in result.output
+        assert f"[{rank}] no newline at the end from rank {rank}" in lines
+
+
+@pytest.mark.parametrize("mode, returncode, described", [
+    ("exit", 3, "rank 1 exited with code 3"),
+    ("kill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL (9)"),
+])
+def test_failing_rank_stops_group_and_restarts_are_bounded(mode, returncode, described):
+    # Rank 0 sleeps 600 s: finishing well inside timeout_s (no 124) shows it was killed.
+    result = launch.run([str(SCRIPTS / "fail_rank.py"), mode], num_processes=2, max_restarts=1,
+                        timeout_s=120, grace_period_s=1, env=_env())
+    assert result.returncode == returncode, result.output
+    assert result.restarts == 1
+    assert f"jaxdist launch: {described}; killing the other 1 running process(es)" \
+        in result.output
+    assert f"{described}; restarting the group (restart 1 of 1)" in result.output
+    assert f"jaxdist launch: job failed: {described} (after 1 restart(s))" in result.output
+
+
+def test_restart_after_first_attempt_failure_succeeds():
+    result = launch.run([str(SCRIPTS / "restart.py")], num_processes=2, max_restarts=1,
+                        timeout_s=120, env=_env())
+    assert result.returncode == 0, result.output
+    assert result.restarts == 1
+    assert "rank 1 exited with code 5; restarting the group (restart 1 of 1)" in result.output
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} attempt 1 ok" in result.output
+
+
+def test_timeout_kills_the_group():
+    result = launch.run(["-c", "import time; time.sleep(600)"], num_processes=2, timeout_s=1,
+                        env=_env())
+    assert result.returncode == launch.EXIT_TIMEOUT
+    assert "timed out after 1 s with rank(s) [0, 1] still running" in result.output
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie awaiting its reaper
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_is_forwarded_then_stragglers_are_killed():
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdist.launch", "-n", "2", "--grace-period",
+                             "1", "--timeout", "120", str(SCRIPTS / "sigterm.py")], env=_env(),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    stderr: list[str] = []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout]),
+               threading.Thread(target=lambda: stderr.extend(proc.stderr))]
+    for reader in readers:
+        reader.start()
+    grandchildren, stdout = [], []
+    deadline = time.monotonic() + 60
+    try:
+        while len(grandchildren) < 2:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            stdout.append(line)
+            if match := re.search(r"ready grandchild=(\d+)", line):
+                grandchildren.append(int(match.group(1)))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+    stdout.extend(lines.queue)
+    stderr = "".join(stderr)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "[0] rank 0 got SIGTERM\n" in stdout
+    assert "jaxdist launch: received SIGTERM; forwarding it to all 2 processes" in stderr
+    assert "rank(s) [1] still running; killing them" in stderr
+    assert all(_gone(pid) for pid in grandchildren)
+
+
+@pytest.mark.parametrize("argv, options, target", [
+    (["-n", "2", "--port", "5", "train.py", "-n", "3"], ["-n", "2", "--port", "5"],
+     ["train.py", "-n", "3"]),
+    (["-n", "2", "-m", "pkg.mod", "--flag"], ["-n", "2"], ["-m", "pkg.mod", "--flag"]),
+    (["-n", "2", "--", "-weird.py"], ["-n", "2"], ["-weird.py"]),
+])
+def test_command_line_splits_launcher_options_from_the_script(argv, options, target):
+    assert launch._split_argv(argv) == (options, target)
+
+
+def test_command_line_errors(capsys):
+    for argv in (["-n", "2"], ["-n", "0", "x.py"], ["x.py"]):
+        with pytest.raises(SystemExit) as info:
+            launch.main(argv)
+        assert info.value.code == 2
+    assert "num_processes = 0: expected an integer >= 1" in capsys.readouterr().err
