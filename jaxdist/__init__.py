@@ -7,8 +7,12 @@
 
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
+from jaxdist import cluster as cluster
 from jaxdist import datasets as datasets
 from jaxdist import models as models
+from jaxdist.cluster import ClusterSpec as ClusterSpec
+from jaxdist.cluster import barrier as barrier
+from jaxdist.cluster import initialize as initialize
 from jaxdist.fit import History as History
 from jaxdist.fit import evaluate as evaluate
 from jaxdist.fit import fit as fit
@@ -31,9 +35,9 @@ from jaxdist.strategy import mirrored as mirrored
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
+    "Batch", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy",
-    "TPUStrategy", "all_reduce", "callbacks", "checkpoint",
-    "compute_average_loss", "datasets", "evaluate", "fit", "mirrored", "models", "num_replicas",
+    "TPUStrategy", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
+    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas",
     "replica_id",
 ]

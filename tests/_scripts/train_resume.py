@@ -28,6 +28,18 @@ class KillAt(jaxdist.callbacks.Callback):
             os.kill(os.getpid(), self.sig)
 
 
+class Sleep(jaxdist.callbacks.Callback):
+    """Slows steps down so that JAX's preemption sync point (~1 s after SIGTERM) comes mid-run."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, info):
+        import time
+
+        time.sleep(self.seconds)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backup", required=True)
@@ -37,6 +49,7 @@ def main():
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--signal", choices=("KILL", "TERM"), default="KILL")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
     args = ap.parse_args()
 
     if "JAXDIST_NUM_PROCESSES" in os.environ:
@@ -48,6 +61,8 @@ def main():
     x, y = x[:700], y[:700]  # 700 / 96: 8 batches an epoch, the last one padded
     state = models.create_train_state(models.MLP(hidden=(32,)), x[:1], seed=1)
     callbacks = [jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every)]
+    if args.step_sleep:
+        callbacks.insert(0, Sleep(args.step_sleep))
     if args.kill_at is not None:
         callbacks.insert(0, KillAt(args.kill_at, getattr(signal, "SIG" + args.signal), args.rank))
     hist = jaxdist.fit(strategy.step(models.classifier_train_step), state,
