@@ -69,9 +69,10 @@ def reduce_tree(
       pack_bytes: when set, leaves of fewer than `pack_bytes` bytes (as sent) are packed, per
         dtype sent, into flat buckets of at most `pack_bytes` bytes and each bucket is reduced
         with one collective; larger leaves travel alone. None sends every leaf on its own.
-      compress: ``"bf16"`` sends floating leaves as bfloat16 (ring hops add in float32) and
-        returns them in their original dtype; integer leaves are never compressed. None sends
-        leaves in their own dtype.
+      compress: ``"bf16"`` sends floating leaves as bfloat16 and returns them in their original
+        dtype; "ring" and "one_device" add the received values in float32, "xla" and
+        "hierarchical" leave accumulation to XLA's bf16 collectives. Integer leaves are never
+        compressed. None sends leaves in their own dtype.
 
     Returns:
       A pytree of the same structure, shapes and dtypes holding the reduced values.
