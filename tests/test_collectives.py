@@ -93,6 +93,8 @@ def _check(actual, expected, like, n, *, compressed=False):
             np.testing.assert_array_equal(got, e)
         elif compressed:  # bf16 keeps 8 significant bits: each of the <= n roundings costs 2**-8
             np.testing.assert_allclose(got, e, rtol=0, atol=n * 2.0**-8 * np.abs(e).max() + 1e-6)
+            # The sum travelled as bf16 (and n is a power of 2, so the mean is exact in bf16 too).
+            np.testing.assert_array_equal(a[0].astype(jnp.bfloat16).astype(np.float32), a[0])
         else:
             np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-5 * n)
 
