@@ -23,6 +23,7 @@ from jaxdist.replica import ReduceOp as ReduceOp
 from jaxdist.replica import all_reduce as all_reduce
 from jaxdist.replica import num_replicas as num_replicas
 from jaxdist.replica import replica_id as replica_id
+from jaxdist.strategy import CentralStorageStrategy as CentralStorageStrategy
 from jaxdist.strategy import DefaultStrategy as DefaultStrategy
 from jaxdist.strategy import MirroredStrategy as MirroredStrategy
 from jaxdist.strategy import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -35,7 +36,7 @@ from jaxdist.strategy import mirrored as mirrored
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
+    "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy",
     "TPUStrategy", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
     "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas",

@@ -71,14 +71,15 @@ class DistributedStep:
         strategy = self.strategy
         state_sh = strategy._state_shardings(state)
         batch_sh = jax.tree.map(lambda _: strategy._batch_sharding, batch)
+        fn = strategy._wrap_step(self._fn)
         with replica.enter(strategy._context(per_replica=False)):
-            out = jax.eval_shape(self._fn, state, batch)
+            out = jax.eval_shape(fn, state, batch)
         returns_state = isinstance(out, tuple) and len(out) == 2 and _same_layout(state, out[0])
         if returns_state:
             out_sh = (state_sh, jax.tree.map(lambda _: strategy._replicated, out[1]))
         else:
             out_sh = jax.tree.map(lambda _: strategy._replicated, out)
-        return jax.jit(self._fn, in_shardings=(state_sh, batch_sh), out_shardings=out_sh,
+        return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=out_sh,
                        donate_argnums=(0,) if (self._donate and returns_state) else ())
 
 
@@ -110,7 +111,7 @@ def run_per_replica(strategy: "MeshStrategy", fn: Callable, args: tuple, kwargs:
     placed = []
     for kind, top in zip(kinds, tops):
         if kind == _REPLICATED:
-            placed.append(strategy.put(top))
+            placed.append(strategy._put_replicated(top))
         elif kind == _SPLIT and isinstance(top, Batch):
             placed.append(Batch(strategy._put_batch(top.data), strategy._put_batch(top.mask)))
         else:

@@ -3,6 +3,7 @@
 from jaxdist.strategy.base import MeshStrategy as MeshStrategy
 from jaxdist.strategy.base import PerReplica as PerReplica
 from jaxdist.strategy.base import Strategy as Strategy
+from jaxdist.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from jaxdist.strategy.mirrored import DefaultStrategy as DefaultStrategy
 from jaxdist.strategy.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategy.mirrored import OneDeviceStrategy as OneDeviceStrategy

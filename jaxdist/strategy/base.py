@@ -144,11 +144,19 @@ class MeshStrategy(Strategy):
         return self._contexts[per_replica]
 
     # --- placement ------------------------------------------------------------------------------
+    def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
+        """Where one state leaf lives between steps (a copy on every replica, here)."""
+        return self._replicated
+
     def _state_shardings(self, tree: PyTree) -> PyTree:
-        return jax.tree.map(lambda _: self._replicated, tree)
+        return jax.tree.map(self._leaf_sharding, tree)
+
+    def _wrap_step(self, fn: Callable) -> Callable:
+        """Adapts a user's global-view step to where this strategy keeps state (identity here)."""
+        return fn
 
     def put(self, tree: PyTree) -> PyTree:
-        """Places every leaf of ``tree`` as a copy on each replica's device.
+        """Places every leaf of ``tree`` the strategy's way (a copy on each replica's device).
 
         Leaves already placed that way are returned as they are (no copy).
 
@@ -157,18 +165,22 @@ class MeshStrategy(Strategy):
         >>> s.put({"w": 1.0})["w"].sharding.is_fully_replicated
         True
         """
-        rep = self._replicated
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = [self._leaf_sharding(x) for x in leaves]
         # The steady state: a step's output fed straight back in, already placed. Checking the
         # leaves is much cheaper than rebuilding the tree.
-        if all(isinstance(x, jax.Array) and x.sharding is rep for x in jax.tree.leaves(tree)):
+        if all(isinstance(x, jax.Array) and x.sharding is t for x, t in zip(leaves, targets)):
             return tree
+        return jax.tree.unflatten(treedef, [
+            x if isinstance(x, jax.Array) and x.sharding == t else jax.device_put(x, t)
+            for x, t in zip(leaves, targets)])
 
-        def place(x):
-            if isinstance(x, jax.Array) and (x.sharding is rep or x.sharding == rep):
-                return x
-            return jax.device_put(x, rep)
-
-        return jax.tree.map(place, tree)
+    def _put_replicated(self, tree: PyTree) -> PyTree:
+        """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
+        rep = self._replicated
+        return jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) and x.sharding == rep else jax.device_put(x, rep),
+            tree)
 
     def _put_batch(self, batch: PyTree) -> PyTree:
         """Places a raw global batch (the same numpy values on every process) on ``data_axes``."""

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from jaxdist import collectives
 from jaxdist import mesh as mesh_lib
 from jaxdist.strategy.base import MeshStrategy, resolve_devices
 
-CROSS_DEVICE_OPS = ("xla", "ring", "hierarchical", "one_device")
-COMPRESSIONS = (None, "bf16")
+CROSS_DEVICE_OPS = collectives.IMPLEMENTATIONS
+COMPRESSIONS = (None, *collectives.COMPRESSIONS)
 
 
 def check_cross_device_options(strategy) -> None:
