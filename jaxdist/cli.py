@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-STRATEGIES = ("default", "one_device", "mirrored")
+STRATEGIES = ("default", "one_device", "mirrored", "central_storage")
 
 
 def _train_parser(sub) -> None:
@@ -53,6 +53,8 @@ def train(args: argparse.Namespace) -> int:
     devices = _select_devices(args.devices)
     if args.strategy == "mirrored":
         strategy = jaxdist.MirroredStrategy(devices)
+    elif args.strategy == "central_storage":
+        strategy = jaxdist.CentralStorageStrategy(devices)
     elif args.strategy == "one_device":
         strategy = jaxdist.OneDeviceStrategy(devices[0])
     else:

@@ -19,7 +19,7 @@ def test_train_mirrored_on_8_simulated_devices_reaches_good_accuracy():
     assert "epoch 1/8" in proc.stderr  # the progress bar
 
 
-@pytest.mark.parametrize("strategy", ["default", "one_device"])
+@pytest.mark.parametrize("strategy", ["default", "one_device", "central_storage"])
 def test_train_other_strategies_and_cnn(strategy):
     proc = run_python(["-m", "jaxdist.cli", "train", "--strategy", strategy, "--model", "cnn",
                        "--epochs", "1", "--quiet"], timeout=300)

@@ -94,3 +94,13 @@ def test_checkpoint_from_2x2_restores_on_1x8_and_on_1_device(tmp_path):
             np.testing.assert_array_equal(v, expected[k], err_msg=k)
     # ... and back: the 1-device copy saved again restores into 2 processes x 2 devices.
     assert mgr.metadata(step)["data"] == {"epoch": 0, "position": 8}
+
+
+def test_the_multi_worker_example_runs_under_launch(tmp_path):
+    res = launch.run([os.path.join(REPO, "examples", "multi_worker.py"), "--backup",
+                      str(tmp_path / "b"), "--epochs", "2"], num_processes=2, devices_per_process=2,
+                     timeout_s=240, grace_period_s=10, env=ENV, cwd=REPO)
+    assert res.returncode == 0, res.output[-3000:]
+    assert "[0] 2 processes x 2 devices: test accuracy" in res.output
+    assert "[1] 2 processes x 2 devices" not in res.output  # only process 0 prints
+    assert not (tmp_path / "b").exists()  # deleted on success
