@@ -1,4 +1,4 @@
-"""The ``jaxdist`` command: ``train`` (the main job), ``launch`` and ``ps``."""
+"""The ``jaxdist`` command: ``train`` (the main job), ``launch``, ``ps`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -98,6 +98,24 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(argv: list[str]) -> int:
+    """``jaxdist bench NAME [args]``: runs ``benchmarks/NAME.py`` of the source checkout."""
+    import os
+    import runpy
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    names = sorted(f[:-3] for f in os.listdir(root) if f.endswith(".py")) if os.path.isdir(root) else []
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: jaxdist bench NAME [args]   (NAME: {', '.join(names) or 'none found'})")
+        return 0 if argv else 2
+    if argv[0] not in names:
+        raise SystemExit(f"jaxdist bench: no benchmark {argv[0]!r}; available: {names or 'none'} "
+                         f"(benchmarks ship with the source checkout, not the wheel)")
+    sys.argv = [os.path.join(root, argv[0] + ".py"), *argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # launch and ps pass everything after their own options to a script: parse them separately.
@@ -109,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         from jaxdist.ps import cli as ps_cli
 
         return ps_cli.main(argv[1:])
+    if argv and argv[0] == "bench":
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="jaxdist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     sub.add_parser("launch", help="run a script as N local processes (jaxdist launch -h)")
     sub.add_parser("ps", help="run a parameter-server role (jaxdist ps -h)")
+    sub.add_parser("bench", help="run a benchmark from benchmarks/ (jaxdist bench -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return train(args)

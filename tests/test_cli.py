@@ -34,3 +34,10 @@ def test_train_bad_arguments():
     assert "--batch-size 100 must be a multiple of the 8 replicas" in proc.stderr
     proc = run_python(["-m", "jaxdist.cli", "train", "--dataset", "mnist"], timeout=120)
     assert proc.returncode != 0 and "needs --data-dir" in proc.stderr
+
+
+def test_bench_lists_and_validates_names():
+    proc = run_python(["-m", "jaxdist.cli", "bench", "--help"], timeout=60)
+    assert proc.returncode == 0 and "overhead" in proc.stdout and "checkpoint" in proc.stdout
+    proc = run_python(["-m", "jaxdist.cli", "bench", "nope"], timeout=60)
+    assert proc.returncode != 0 and "no benchmark 'nope'" in proc.stderr
