@@ -1,0 +1,117 @@
+"""Digits MLP pieces shared by the parameter-server tests, and a multi-process job script.
+
+Run by every process of a job (``python -m jaxdist.ps.cli --role worker ... digits_job.py``):
+the coordinator trains for ``--steps`` closures and writes a JSON summary to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxdist.ps as ps
+
+
+def digits():
+    """``(x_train, y_train), (x_test, y_test)``: sklearn digits in [0, 1], fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    y = d.target.astype(np.int32)
+    perm = np.random.default_rng(0).permutation(len(x))
+    cut = int(0.8 * len(x))
+    tr, te = perm[:cut], perm[cut:]
+    return (x[tr], y[tr]), (x[te], y[te])
+
+
+class MLP(nn.Module):
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(10)(x)
+
+
+def init_params(seed=0, hidden=64):
+    return MLP(hidden).init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    logits = MLP().apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def accuracy(params, x, y):
+    logits = MLP().apply({"params": params}, jnp.asarray(x))
+    return float((jnp.argmax(logits, -1) == jnp.asarray(y)).mean())
+
+
+@ps.remote
+def batches(worker_index, num_workers, batch_size=32):
+    """Endless shuffled batches of this worker's shard of the training set."""
+    (x, y), _ = digits()
+    x, y = x[worker_index::num_workers], y[worker_index::num_workers]
+    rng = np.random.default_rng(worker_index)
+    while True:
+        order = rng.permutation(len(x))
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            idx = order[i:i + batch_size]
+            yield x[idx], y[idx]
+
+
+@ps.remote
+def train_step(worker, iterator):
+    return worker.step(next(iterator))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--out", required=True)
+    p.add_argument("--staleness", type=int, default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--join-every", type=int, default=0,
+                   help="join (and report progress to --out) every N scheduled steps")
+    a = p.parse_args(argv)
+    strategy = ps.ParameterServerStrategy(None, staleness=a.staleness,
+                                          checkpoint_dir=a.checkpoint_dir,
+                                          checkpoint_every=a.checkpoint_every)
+    coord = strategy.start(init_params(), ps.optimizer("adam", learning_rate=3e-3), loss_fn)
+    try:
+        it = coord.create_per_worker_dataset(batches)
+        values = []
+        for i in range(a.steps):
+            values.append(coord.schedule(train_step, args=(it,)))
+            if a.join_every and (i + 1) % a.join_every == 0:
+                coord.join()
+                with open(a.out + ".progress", "w") as f:
+                    f.write(str(i + 1))
+        coord.join()
+        (_, _), (xt, yt) = digits()
+        summary = {
+            "accuracy": accuracy(coord.fetch_params(), xt, yt),
+            "closure_ids": [v.closure_id for v in values],
+            "logs": [[list(map(int, (r.step_id, r.worker, r.computed_on, r.applied_at)))
+                      for r in log] for log in coord.server_logs()],
+            "rescheduled": coord.rescheduled,
+            "lost_updates": {str(k): v for k, v in coord.lost_updates().items()},
+            "final_loss": float(values[-1].fetch()),
+        }
+        with open(a.out, "w") as f:
+            json.dump(summary, f)
+    finally:
+        coord.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
