@@ -73,7 +73,9 @@ def encode(header: Mapping[str, Any], arrays: Mapping[str, Any] | None = None) -
     buffers = []
     offset = 0
     for key, value in (arrays or {}).items():
-        arr = np.ascontiguousarray(value)  # a view (no copy) for contiguous numpy / CPU jax arrays
+        arr = np.asarray(value)  # a view (no copy) of numpy and CPU jax arrays
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)  # (this one would also turn 0-d into 1-d)
         nbytes = arr.nbytes
         meta.append([key, _dtype_name(arr.dtype), list(arr.shape), offset, nbytes])
         # A uint8 view exports a plain byte buffer for every dtype (bfloat16 included).

@@ -1,0 +1,120 @@
+"""Parameter-server semantics: versions, exactly-once step ids, staleness, sync rounds,
+checkpoints, and bad pushes over gRPC."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxdist.ps import optimizer, wire
+from jaxdist.ps.server import ParameterServer, PushRejected, ServerConfig
+from jaxdist.ps.transport import (PS_SERVICE, GrpcClient, PermissionDenied, PSService,
+                                  Unavailable, serve)
+
+
+def _g(value=1.0, n=4):
+    return {"w": np.full(n, value, np.float32)}
+
+
+def test_staleness_bound_refuses_old_gradients_and_logs_versions():
+    ps = ParameterServer(0, _g(0.0), optax.sgd(1.0), ServerConfig(staleness=1))
+    assert ps.push(worker=0, step_id=1, version=0, grads=_g()).status == "applied"
+    assert ps.push(worker=1, step_id=2, version=0, grads=_g()).status == "applied"  # 1 old
+    r = ps.push(worker=2, step_id=3, version=0, grads=_g())  # 2 versions old
+    assert (r.status, r.version) == ("stale", 2)
+    assert ps.push(worker=2, step_id=3, version=2, grads=_g()).status == "applied"  # retried
+    assert ps.push(worker=0, step_id=9, version=7, grads=_g()).status == "stale"  # from the future
+    assert [(u.step_id, u.computed_on, u.applied_at) for u in ps.log] == [
+        (1, 0, 0), (2, 0, 1), (3, 2, 2)]
+    np.testing.assert_allclose(ps.pull()[1]["w"], -3.0)
+
+
+def test_sync_mode_averages_a_round_then_applies_once():
+    ps = ParameterServer(0, _g(0.0), optax.sgd(1.0), ServerConfig(sync_replicas=2))
+    r = ps.push(worker=0, step_id=10, version=0, grads=_g(1.0))
+    assert (r.status, r.version) == ("pending", 1)
+    assert ps.push(worker=0, step_id=10, version=0, grads=_g(1.0)).status == "duplicate"
+    with pytest.raises(TimeoutError, match="stayed at version 0"):
+        ps.pull(min_version=1, timeout=0.05)
+    assert ps.push(worker=1, step_id=11, version=0, grads=_g(3.0)).status == "applied"
+    version, params = ps.pull(min_version=1, timeout=1)
+    assert version == 1
+    np.testing.assert_allclose(params["w"], -2.0)  # mean of 1 and 3
+    assert ps.push(worker=1, step_id=12, version=0, grads=_g()).status == "stale"
+    assert sorted(u.step_id for u in ps.log) == [10, 11]
+
+
+def test_checkpoint_restores_params_optimizer_state_and_step_ids(tmp_path):
+    cfg = ServerConfig(checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    spec = optimizer("adam", learning_rate=0.1)
+    ps = ParameterServer(0, _g(0.5), spec, cfg)
+    ref = ParameterServer(0, _g(0.5), spec)  # the same 4 pushes, no checkpoints
+    for step in range(5):
+        g = _g(float(step + 1))
+        ps.push(worker=0, step_id=step, version=ps.version, grads=g)
+        if step < 4:
+            ref.push(worker=0, step_id=step, version=ref.version, grads=g)
+    back = ParameterServer.restore(str(tmp_path), 0)
+    assert (back.version, back.restored_version) == (4, 4)  # step 4 was lost: <= every
+    assert back.incarnation != ps.incarnation
+    np.testing.assert_array_equal(back.pull()[1]["w"], ref.pull()[1]["w"])
+    for a, b in zip(jax.tree.leaves(back._opt_state), jax.tree.leaves(ref._opt_state)):
+        np.testing.assert_array_equal(a, b)
+    assert back.push(worker=0, step_id=3, version=4, grads=_g()).status == "duplicate"
+    assert back.push(worker=0, step_id=4, version=4, grads=_g(5.0)).status == "applied"
+    ref.push(worker=0, step_id=4, version=4, grads=_g(5.0))
+    np.testing.assert_array_equal(back.pull()[1]["w"], ref.pull()[1]["w"])
+    assert [u.step_id for u in back.log] == [0, 1, 2, 3, 4]
+    assert ParameterServer.restore(str(tmp_path), 1) is None
+
+
+@pytest.fixture
+def grpc_server():
+    service = PSService(0)
+    server, port = serve("127.0.0.1:0", PS_SERVICE, service.methods(), token="right")
+    params = {"w": np.zeros((8, 8), np.float32), "b": np.zeros(8, np.float32)}
+    client = GrpcClient(f"127.0.0.1:{port}", token="right", timeout=10)
+    try:
+        with pytest.raises(Unavailable, match="not initialized"):
+            client.pull()
+        client.init(0, params, optimizer("sgd", learning_rate=1.0),
+                    ServerConfig(max_push_bytes=400))
+        yield client, port, params
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_bad_pushes_are_rejected_and_the_server_keeps_serving(grpc_server):
+    client, port, params = grpc_server
+    good = {"w": np.ones((8, 8), np.float32), "b": np.ones(8, np.float32)}
+    bad = [
+        ({"w": np.ones((8, 7), np.float32), "b": good["b"]},
+         PushRejected, r"gradient 'w' is float32\[8, 7\], expected float32\[8, 8\]"),
+        ({"w": np.ones((8, 8), np.float64)[:4], "b": good["b"]},
+         PushRejected, r"gradient 'w' is float64\[4, 8\], expected float32\[8, 8\]"),
+        ({"w": good["w"], "b": good["b"], "extra": np.ones(1, np.float32)},
+         PushRejected, r"unknown keys \['extra'\]"),
+        ({"w": good["w"]}, PushRejected, r"lacks keys \['b'\]"),
+        ({"w": np.ones((64, 8), np.float32), "b": good["b"]},
+         PushRejected, "exceeds ps0's limit of 400"),
+    ]
+    for i, (grads, exc, match) in enumerate(bad):
+        with pytest.raises(exc, match=match):
+            client.push(worker=0, step_id=100 + i, version=0, grads=grads)
+    with pytest.raises(PushRejected, match="malformed message"):
+        client._ch.call("Push", b"\x05\x00\x00\x00garbage")
+    with pytest.raises(PushRejected, match="step_id must be an integer"):
+        client._ch.call("Push", wire.encode({"worker": 0, "step_id": "x", "version": 0}, good))
+    for token in ("wrong", None):
+        intruder = GrpcClient(f"127.0.0.1:{port}", token=token, timeout=10)
+        with pytest.raises(PermissionDenied, match="missing or wrong token"):
+            intruder.push(worker=0, step_id=1, version=0, grads=good)
+        intruder.close()
+    # still serving, and none of the refused pushes touched the parameters
+    np.testing.assert_array_equal(client.pull()[1]["w"], 0.0)
+    assert client.push(worker=0, step_id=1, version=0, grads=good).status == "applied"
+    version, pulled = client.pull()
+    assert version == 1
+    np.testing.assert_array_equal(pulled["w"], -1.0)
+    assert client.log() == [(1, 0, 0, 0)]
