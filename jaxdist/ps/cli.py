@@ -91,7 +91,9 @@ def _run_task(args: argparse.Namespace) -> int:
 class LocalJob:
     """The processes of a job launched on this machine by :func:`launch_local`."""
 
-    def __init__(self, commands: dict[tuple[str, int], list[str]], envs, log_dir: str | None):
+    def __init__(self, cluster: dict[str, list[str]], commands: dict[tuple[str, int], list[str]],
+                 envs, log_dir: str | None):
+        self.cluster = cluster  # {"ps": [addresses], "worker": [addresses]}
         self.commands, self.envs, self.log_dir = commands, envs, log_dir
         self.procs: dict[tuple[str, int], subprocess.Popen] = {}
         self._logs = []
@@ -171,7 +173,7 @@ def launch_local(script: str, script_args: Sequence[str] = (), *, num_ps: int = 
         else:
             cmd += [script, *script_args]
         commands[role, index], envs[role, index] = cmd, env
-    return LocalJob(commands, envs, log_dir)
+    return LocalJob(cluster, commands, envs, log_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

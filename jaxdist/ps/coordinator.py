@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import grpc
+
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
 from jaxdist.ps.server import UpdateRecord
@@ -51,6 +53,11 @@ class RemoteValue:
     def _set(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._event.set()
+
+    def live_workers(self) -> list[int]:
+        """Indices of the workers currently taking closures."""
+        with self._cond:
+            return [i for i, alive in self._alive.items() if alive]
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -150,8 +157,12 @@ class GrpcWorker:
         self._inflight = fut = self._ch._stub("Run").future(request, metadata=self._ch._metadata)
         try:
             reply = fut.result()
-        except Exception as e:  # grpc.RpcError / FutureCancelledError: the worker is gone
-            raise WorkerLost(f"worker {self.index} at {self.address}: {e}") from None
+        except grpc.FutureCancelledError:
+            raise WorkerLost(f"worker {self.index} at {self.address} missed its heartbeats; "
+                             "its closure was cancelled") from None
+        except grpc.RpcError as e:
+            raise WorkerLost(f"worker {self.index} at {self.address}: {e.code().name}: "
+                             f"{e.details()}") from None
         finally:
             self._inflight = None
         h, _ = wire.decode(reply)
@@ -277,6 +288,11 @@ class ClusterCoordinator:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+    def live_workers(self) -> list[int]:
+        """Indices of the workers currently taking closures."""
+        with self._cond:
+            return [i for i, alive in self._alive.items() if alive]
 
     def done(self) -> bool:
         with self._cond:

@@ -111,7 +111,12 @@ class Channel:
         self._metadata = ((_TOKEN_KEY, token),) if token is not None else ()
         self._channel = grpc.insecure_channel(
             address, options=[("grpc.max_receive_message_length", -1),
-                              ("grpc.max_send_message_length", -1)])
+                              ("grpc.max_send_message_length", -1),
+                              # a restarted peer is back within a second, not after gRPC's
+                              # default exponential backoff (up to 2 minutes)
+                              ("grpc.initial_reconnect_backoff_ms", 100),
+                              ("grpc.min_reconnect_backoff_ms", 100),
+                              ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stubs: dict[str, Any] = {}
 
     def _stub(self, method: str):

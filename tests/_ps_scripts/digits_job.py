@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -80,9 +82,12 @@ def main(argv=None):
     p.add_argument("--staleness", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--join-every", type=int, default=0,
-                   help="join (and report progress to --out) every N scheduled steps")
+    p.add_argument("--wait-workers-at", type=int, default=None,
+                   help="after scheduling this many steps, join and wait until every worker "
+                        "is live (a killed and restarted worker has rejoined)")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(processName)s %(name)s: %(message)s")
     strategy = ps.ParameterServerStrategy(None, staleness=a.staleness,
                                           checkpoint_dir=a.checkpoint_dir,
                                           checkpoint_every=a.checkpoint_every)
@@ -92,10 +97,13 @@ def main(argv=None):
         values = []
         for i in range(a.steps):
             values.append(coord.schedule(train_step, args=(it,)))
-            if a.join_every and (i + 1) % a.join_every == 0:
+            if a.wait_workers_at == i + 1:
                 coord.join()
-                with open(a.out + ".progress", "w") as f:
-                    f.write(str(i + 1))
+                deadline = time.monotonic() + 120
+                while len(coord.live_workers()) < coord.num_workers:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"live workers: {coord.live_workers()}")
+                    time.sleep(0.1)
         coord.join()
         (_, _), (xt, yt) = digits()
         summary = {
