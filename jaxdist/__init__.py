@@ -1,1 +1,35 @@
-"""jaxdist: tf.distribute-style distribution strategies for JAX."""
+"""jaxdist: tf.distribute-style distribution strategies for JAX, as pure functions over meshes.
+
+>>> import jax, jaxdist
+>>> jaxdist.MirroredStrategy(jax.devices()[:1]).num_replicas_in_sync
+1
+"""
+
+from jaxdist import callbacks as callbacks
+from jaxdist import datasets as datasets
+from jaxdist import models as models
+from jaxdist.fit import History as History
+from jaxdist.fit import evaluate as evaluate
+from jaxdist.fit import fit as fit
+from jaxdist.input import Batch as Batch
+from jaxdist.input import DistributedDataset as DistributedDataset
+from jaxdist.loss import compute_average_loss as compute_average_loss
+from jaxdist.replica import ReduceOp as ReduceOp
+from jaxdist.replica import all_reduce as all_reduce
+from jaxdist.replica import num_replicas as num_replicas
+from jaxdist.replica import replica_id as replica_id
+from jaxdist.strategy import DefaultStrategy as DefaultStrategy
+from jaxdist.strategy import MirroredStrategy as MirroredStrategy
+from jaxdist.strategy import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategy import PerReplica as PerReplica
+from jaxdist.strategy import Strategy as Strategy
+from jaxdist.strategy import mirrored as mirrored
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
+    "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy", "all_reduce", "callbacks",
+    "compute_average_loss", "datasets", "evaluate", "fit", "mirrored", "models", "num_replicas",
+    "replica_id",
+]

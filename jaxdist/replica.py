@@ -1,0 +1,143 @@
+"""The replica context: what ``jaxdist.all_reduce`` and friends see while a step is traced.
+
+A strategy enters a context while it traces user code. In the per-replica view
+(``strategy.run``) the context names the mesh axes the replicas span and the cross-device
+implementation to reduce with; in the global view (``strategy.step``) it only records that reductions
+are XLA's business, so that a stray ``all_reduce`` fails loudly instead of double-counting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist._types import PyTree
+
+
+class ReduceOp(str, enum.Enum):
+    """How values from several replicas are combined (as ``tf.distribute.ReduceOp``)."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+    @classmethod
+    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+        """Accepts a ``ReduceOp`` or its name in any case.
+
+        >>> ReduceOp.parse("MEAN")
+        <ReduceOp.MEAN: 'mean'>
+        """
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str) and op.lower() in {m.value for m in cls}:
+            return cls(op.lower())
+        raise ValueError(f"unknown reduce op {op!r}; expected one of 'sum', 'mean' "
+                         "(or jaxdist.ReduceOp.SUM / MEAN)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaContext:
+    """Where user code is being traced.
+
+    Attributes:
+      axes: mesh axes the replicas span; ``()`` when there is a single replica and no mesh axis.
+      num_replicas: replicas in sync.
+      per_replica: True inside ``strategy.run``; False in a global-view step.
+      implementation, pack_bytes, compress: the strategy's cross-device options.
+    """
+
+    axes: tuple[str, ...]
+    num_replicas: int
+    per_replica: bool
+    implementation: str = "xla"
+    pack_bytes: int | None = None
+    compress: str | None = None
+
+
+_CONTEXT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
+    "jaxdist_replica_context", default=None)
+
+
+@contextlib.contextmanager
+def enter(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> ReplicaContext | None:
+    """The context user code is traced in, or None outside any strategy."""
+    return _CONTEXT.get()
+
+
+def _per_replica_context(fn_name: str) -> ReplicaContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError(
+            f"jaxdist.{fn_name}() was called outside a replica context. Call it inside the "
+            f"function you pass to strategy.run(fn, args=...), which runs once per replica.")
+    if not ctx.per_replica:
+        raise RuntimeError(
+            f"jaxdist.{fn_name}() was called inside a global-view step (strategy.step / "
+            "@jaxdist.mirrored). There the step sees the whole global batch and XLA inserts the "
+            "cross-device reduction itself, so remove the call; use strategy.run(fn, ...) if you "
+            "want per-replica code with explicit all-reduces.")
+    return ctx
+
+
+def all_reduce(tree: PyTree, op: ReduceOp | str = "mean") -> PyTree:
+    """Reduces every leaf of ``tree`` across the replicas of the active strategy.
+
+    Uses the strategy's ``cross_device_ops`` implementation. Only valid inside per-replica code
+    (the function given to ``strategy.run``); gradients computed there are local to the replica,
+    so this is the one place they are combined.
+
+    Args:
+      tree: pytree of arrays, the same structure and shapes on every replica.
+      op: ``"sum"`` or ``"mean"``.
+
+    Returns:
+      The reduced pytree, identical on every replica.
+
+    Raises:
+      RuntimeError: outside ``strategy.run``.
+    """
+    ctx = _per_replica_context("all_reduce")
+    op = ReduceOp.parse(op)
+    if not ctx.axes:
+        return tree
+    from jaxdist import collectives  # late: collectives is heavier and only needed when tracing
+
+    return collectives.reduce_tree(
+        tree, op.value, axes=ctx.axes, implementation=ctx.implementation,
+        pack_bytes=ctx.pack_bytes, compress=ctx.compress)
+
+
+def replica_id() -> jax.Array:
+    """This replica's index in ``[0, num_replicas())`` as an int32 scalar (per-replica code only).
+
+    Raises:
+      RuntimeError: outside ``strategy.run``.
+    """
+    ctx = _per_replica_context("replica_id")
+    if not ctx.axes:
+        return jnp.int32(0)
+    return jax.lax.axis_index(ctx.axes).astype(jnp.int32)
+
+
+def num_replicas() -> int:
+    """Replicas in sync for the code being traced; 1 outside any strategy (as tf's default context).
+
+    >>> num_replicas()
+    1
+    """
+    ctx = _CONTEXT.get()
+    return 1 if ctx is None else ctx.num_replicas

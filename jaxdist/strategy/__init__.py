@@ -1,0 +1,9 @@
+"""Distribution strategies, one module per family; ``base`` holds the protocol."""
+
+from jaxdist.strategy.base import MeshStrategy as MeshStrategy
+from jaxdist.strategy.base import PerReplica as PerReplica
+from jaxdist.strategy.base import Strategy as Strategy
+from jaxdist.strategy.mirrored import DefaultStrategy as DefaultStrategy
+from jaxdist.strategy.mirrored import MirroredStrategy as MirroredStrategy
+from jaxdist.strategy.mirrored import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategy.mirrored import mirrored as mirrored

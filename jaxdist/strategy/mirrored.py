@@ -1,0 +1,133 @@
+"""Single-process strategies: Default, OneDevice and Mirrored (all-reduce over local devices)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from jaxdist import mesh as mesh_lib
+from jaxdist.strategy.base import MeshStrategy, resolve_devices
+
+CROSS_DEVICE_OPS = ("xla", "ring", "hierarchical", "one_device")
+COMPRESSIONS = (None, "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MirroredStrategy(MeshStrategy):
+    """Synchronous data parallelism over the local devices (``tf.distribute.MirroredStrategy``).
+
+    State is replicated on every device; each step's global batch is split over them; gradients are
+    all-reduced so every copy stays identical. In the global view XLA's partitioner inserts the
+    all-reduce; ``cross_device_ops``, ``pack_bytes`` and ``compress`` choose how
+    ``jaxdist.all_reduce`` reduces in the per-replica view (``strategy.run``).
+
+    Args:
+      devices: the devices to use, exactly as given (default: all of this process's devices).
+      cross_device_ops: ``"xla"`` (psum: NCCL on GPU, ICI on TPU), ``"ring"``, ``"hierarchical"``
+        or ``"one_device"``.
+      pack_bytes: pack leaves smaller than this many bytes into shared buckets before reducing.
+      compress: ``"bf16"`` sends float gradients as bfloat16.
+
+    >>> import jax, jaxdist
+    >>> jaxdist.MirroredStrategy(jax.devices()[:1]).num_replicas_in_sync
+    1
+    """
+
+    devices: Sequence[jax.Device] | None = None
+    cross_device_ops: str = "xla"
+    pack_bytes: int | None = None
+    compress: str | None = None
+
+    def __post_init__(self):
+        if self.devices is not None:
+            object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy"))
+        if self.cross_device_ops not in CROSS_DEVICE_OPS:
+            raise ValueError(f"MirroredStrategy(cross_device_ops={self.cross_device_ops!r}) is not "
+                             f"one of {CROSS_DEVICE_OPS}")
+        if self.pack_bytes is not None and (not isinstance(self.pack_bytes, int)
+                                            or self.pack_bytes <= 0):
+            raise ValueError(f"MirroredStrategy(pack_bytes={self.pack_bytes!r}) must be a positive "
+                             "number of bytes or None")
+        if self.compress not in COMPRESSIONS:
+            raise ValueError(f"MirroredStrategy(compress={self.compress!r}) must be None or 'bf16'")
+
+    @property
+    def _implementation(self) -> str:
+        return self.cross_device_ops
+
+    @property
+    def _pack_bytes(self) -> int | None:
+        return self.pack_bytes
+
+    @property
+    def _compress(self) -> str | None:
+        return self.compress
+
+    def _build_mesh(self) -> Mesh:
+        devices = resolve_devices(self.devices, "MirroredStrategy")
+        if self.cross_device_ops == "hierarchical":
+            # Hierarchical reduction needs a (host, local) split; one process is a (1, n) mesh.
+            return mesh_lib.host_local_mesh(devices, num_hosts=1)
+        return mesh_lib.local_mesh(devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDeviceStrategy(MeshStrategy):
+    """Everything on one named device (``tf.distribute.OneDeviceStrategy``).
+
+    Args:
+      device: the device (default: JAX's default device).
+    """
+
+    device: jax.Device | None = None
+
+    def __post_init__(self):
+        if self.device is not None and not isinstance(self.device, jax.Device):
+            raise TypeError(f"OneDeviceStrategy(device=...) expects a jax.Device such as "
+                            f"jax.devices()[0], got {type(self.device).__name__}")
+
+    def _build_mesh(self) -> Mesh:
+        return mesh_lib.local_mesh([self.device or jax.devices()[0]])
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultStrategy(MeshStrategy):
+    """No distribution: one replica on JAX's default device (``tf.distribute`` default strategy).
+
+    A step is plain ``jax.jit``; ``all_reduce`` inside ``run`` is the identity.
+    """
+
+    def _build_mesh(self) -> Mesh:
+        return mesh_lib.local_mesh(jax.devices()[:1])
+
+    @functools.cached_property
+    def _data_axes(self) -> tuple[str, ...]:
+        return ()
+
+
+def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
+             cross_device_ops: str = "xla", pack_bytes: int | None = None,
+             compress: str | None = None, donate: bool = True):
+    """Distributes a single-device ``train_step(state, batch)`` over the local devices.
+
+    ``@jaxdist.mirrored`` is ``MirroredStrategy().step(train_step)``; with arguments,
+    ``@jaxdist.mirrored(devices=jax.devices()[:4])`` builds the strategy from them. The result is
+    called exactly like the original and exposes ``.strategy``.
+
+    >>> import jax, jax.numpy as jnp, jaxdist
+    >>> @jaxdist.mirrored(devices=jax.devices()[:1])
+    ... def step(w, batch):
+    ...     return w - 0.5 * jnp.mean(batch), {"mean": jnp.mean(batch)}
+    >>> w, m = step(jnp.float32(1.0), jnp.ones(4, jnp.float32))
+    >>> float(w), step.strategy.num_replicas_in_sync
+    (0.5, 1)
+    """
+    strategy = MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops,
+                                pack_bytes=pack_bytes, compress=compress)
+    if fn is None:
+        return lambda f: strategy.step(f, donate=donate)
+    return strategy.step(fn, donate=donate)

@@ -1,0 +1,62 @@
+"""Test setup: 8 simulated CPU devices, a compile counter, and a subprocess runner with a timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_compiles = [0]
+
+
+def _on_event(name, *_, **__):
+    if name == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture
+def count_compiles():
+    """``with count_compiles() as c: ...; c()`` gives the XLA compilations inside the block."""
+
+    @contextlib.contextmanager
+    def counter():
+        start = _compiles[0]
+        yield lambda: _compiles[0] - start
+
+    return counter
+
+
+def run_python(code_or_args, *, timeout: float, env: dict | None = None,
+               devices: int | None = None) -> subprocess.CompletedProcess:
+    """Runs Python in a subprocess with the checkout importable; fails the test on timeout."""
+    full_env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if devices is not None:
+        full_env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
+    try:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"subprocess did not finish within {timeout}s (a hang or deadlock); output:\n"
+                    f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-3000:]!r}")
+
+
+@pytest.fixture(scope="session")
+def digits():
+    from jaxdist import datasets
+
+    return datasets.digits()
+
+
+@pytest.fixture
+def devices():
+    return jax.devices()

@@ -1,0 +1,153 @@
+"""Distributed input: padding + mask, exactly-once examples, shuffling, resume, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist
+
+N_EXAMPLES = 203  # prime: the last batch is partial for every batch size used
+
+
+def _ids_seen(dist, epoch):
+    seen = []
+    it = dist.iterator(epoch=epoch)
+    for b in it:
+        ids, mask = np.asarray(b.data["id"]), np.asarray(b.mask)
+        assert int(mask.sum()) == it.last_num_real
+        seen.extend(ids[mask].tolist())
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_example_once_per_epoch(n, shuffle):
+    s = jaxdist.MirroredStrategy(jax.devices()[:n])
+    data = {"id": np.arange(N_EXAMPLES), "x": np.random.default_rng(0).normal(size=(N_EXAMPLES, 3))}
+    dist = s.distribute(data, 32, shuffle=shuffle, seed=7)
+    assert len(dist) == 7
+    for epoch in range(2):
+        seen = _ids_seen(dist, epoch)
+        assert sorted(seen) == list(range(N_EXAMPLES))
+    if shuffle:  # a different order every epoch, the same order for the same (seed, epoch)
+        assert _ids_seen(dist, 0) != _ids_seen(dist, 1)
+        assert _ids_seen(dist, 1) == _ids_seen(s.distribute(data, 32, shuffle=True, seed=7), 1)
+
+
+def test_batches_are_sharded_and_shape_never_changes():
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+    shapes = set()
+    for b in s.distribute((np.zeros((50, 2), np.float32), np.arange(50)), 16):
+        x, y = b.data
+        assert x.sharding == s._batch_sharding and b.mask.sharding == s._batch_sharding
+        assert len(x.addressable_shards) == 4
+        shapes.add((x.shape, y.shape, b.mask.shape))
+    assert shapes == {((16, 2), (16,), (16,))}
+
+
+def test_padding_uses_copies_of_real_rows():
+    s = jaxdist.OneDeviceStrategy()
+    x = np.arange(1, 6, dtype=np.float32)  # no zeros: zero padding would be visible
+    *_, last = s.distribute((x,), 4)
+    assert np.asarray(last.mask).tolist() == [True, False, False, False]
+    assert np.all(np.asarray(last.data[0]) == 5.0)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_uneven_data_sum_and_count_match_one_device_pass(n):
+    """Summed loss and example count over an epoch equal one un-batched pass on one device."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N_EXAMPLES, 5)).astype(np.float32)
+    w = rng.normal(size=(5,)).astype(np.float32)
+    expected_sum = float(np.sum((x @ w) ** 2))
+    s = jaxdist.MirroredStrategy(jax.devices()[:n])
+
+    @s.step
+    def step(w, batch):
+        per_example = (batch.data[0] @ w) ** 2
+        mean = jaxdist.compute_average_loss(per_example, batch.mask)
+        return w, {"sum": mean * jnp.sum(batch.mask), "count": jnp.sum(batch.mask)}
+
+    total, count = 0.0, 0
+    for b in s.distribute((x,), 24):
+        w, m = step(w, b)
+        total += float(m["sum"])
+        count += int(m["count"])
+    assert count == N_EXAMPLES
+    np.testing.assert_allclose(total, expected_sum, rtol=1e-5)
+    # fit's epoch metric weights by real counts, so it is the exact mean too.
+    hist = jaxdist.fit(s.step(lambda w, b: (w, {"loss": jaxdist.compute_average_loss(
+        (b.data[0] @ w) ** 2, b.mask)})), w, s.distribute((x,), 24), verbose=0)
+    np.testing.assert_allclose(hist.history["loss"][0], expected_sum / N_EXAMPLES, rtol=1e-5)
+
+
+def test_drop_remainder():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    dist = s.distribute((np.arange(10),), 4, drop_remainder=True)
+    assert len(dist) == 2
+    assert all(np.asarray(b.mask).all() for b in dist)
+
+
+def test_iterable_of_batches_and_generator_function():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    batches = [(np.arange(8), np.ones(8)), (np.arange(8, 11), np.ones(3))]
+    got = [(np.asarray(b.data[0]), np.asarray(b.mask)) for b in s.distribute(batches, 8)]
+    assert [int(m.sum()) for _, m in got] == [8, 3]
+    assert got[1][0][got[1][1]].tolist() == [8, 9, 10]
+    dist = s.distribute(lambda: iter(batches), 8)  # re-iterable: called once per epoch
+    assert len(list(dist)) == 2 and len(list(dist)) == 2
+
+
+def test_resume_from_iterator_state():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    dist = s.distribute({"id": np.arange(100)}, 10, shuffle=True, seed=3)
+    it = dist.iterator(epoch=2)
+    first = [np.asarray(next(it).data["id"]).tolist() for _ in range(4)]
+    state = it.state()
+    assert state == {"epoch": 2, "position": 4}
+    rest = [np.asarray(b.data["id"]).tolist() for b in it]
+    resumed = [np.asarray(b.data["id"]).tolist() for b in dist.iterator(**state)]
+    assert resumed == rest and len(first) + len(rest) == 10
+
+
+def test_iterator_propagates_source_errors():
+    s = jaxdist.OneDeviceStrategy()
+
+    def broken():
+        yield (np.arange(4),)
+        raise OSError("disk went away")
+
+    it = iter(s.distribute(broken, 4))
+    next(it)
+    with pytest.raises(OSError, match="disk went away"):
+        next(it)
+
+
+@pytest.mark.parametrize("data, batch, n, match", [
+    ((np.zeros((10, 2)),), 12, 8, r"global_batch_size=12 does not divide over the 8 replicas.*8 or 16"),
+    ((np.zeros((10, 2)),), 0, 1, r"positive int"),
+    ((np.zeros((10, 2)), np.zeros(9)), 4, 1, r"different leading .* \{'data\[0\]': 10, 'data\[1\]': 9\}"),
+    ({"x": np.zeros((4, 2)), "y": [1, 2, 3, 4]}, 4, 1, r"leaf data\['y'\]\[0\] is int"),
+    ((np.float32(3.0),), 4, 1, r"a scalar"),
+    (42, 4, 1, r"cannot distribute a int"),
+])
+def test_bad_input_errors(data, batch, n, match):
+    s = jaxdist.MirroredStrategy(jax.devices()[:n])
+    with pytest.raises(ValueError, match=match):
+        s.distribute(data, batch)
+
+
+def test_list_instead_of_tuple_is_explained():
+    s = jaxdist.OneDeviceStrategy()
+    with pytest.raises(ValueError, match=r"has 100 examples but global_batch_size is 10.*tuple"):
+        list(s.distribute([np.zeros((100, 2)), np.zeros(100)], 10))
+
+
+def test_raw_batch_that_does_not_divide_over_replicas():
+    s = jaxdist.MirroredStrategy(jax.devices()[:8])
+    step = s.step(lambda w, b: (w, {"m": jnp.mean(b)}))
+    with pytest.raises(ValueError, match=r"batch has 12 examples, which does not divide over 8"):
+        step(jnp.zeros(()), np.zeros(12, np.float32))
