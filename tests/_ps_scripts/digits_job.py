@@ -12,48 +12,35 @@ import logging
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxdist
 import jaxdist.ps as ps
 
 
 def digits():
-    """``(x_train, y_train), (x_test, y_test)``: sklearn digits in [0, 1], fixed 80/20 split."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    cut = int(0.8 * len(x))
-    tr, te = perm[:cut], perm[cut:]
-    return (x[tr], y[tr]), (x[te], y[te])
+    """``(x_train, y_train), (x_test, y_test)`` of jaxdist's built-in digits (fixed 80/20 split)."""
+    return jaxdist.datasets.digits()
 
 
-class MLP(nn.Module):
-    hidden: int = 64
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(10)(x)
+MODEL = jaxdist.models.MLP(hidden=(64,))
 
 
-def init_params(seed=0, hidden=64):
-    return MLP(hidden).init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
+def init_params(seed=0):
+    return MODEL.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)))["params"]
 
 
 def loss_fn(params, batch):
     x, y = batch
-    logits = MLP().apply({"params": params}, x)
+    logits = MODEL.apply({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def accuracy(params, x, y):
-    logits = MLP().apply({"params": params}, jnp.asarray(x))
+    logits = MODEL.apply({"params": params}, jnp.asarray(x))
     return float((jnp.argmax(logits, -1) == jnp.asarray(y)).mean())
 
 
