@@ -125,3 +125,14 @@ def test_closure_errors_surface_in_fetch_and_join():
         with pytest.raises(ps.ClosureError, match="bad batch"):
             v.fetch()
         assert ok.fetch() in (0, 1) and coord.done()
+
+
+def test_example_runs_in_process():
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "parameter_server.py"),
+                          "--steps", "60"], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 workers, 60 async steps" in out.stdout and "placement: greedy" in out.stdout
