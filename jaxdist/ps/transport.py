@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 PS_SERVICE = "jaxdist.ps.ParameterServer"
 _TOKEN_KEY = "x-jaxdist-token"
 _HEADER_SLACK = 1 << 16
+# Megabyte messages on a fast link: large HTTP/2 frames and a 16 MiB window from the start
+# instead of 64 KiB grown by BDP probing (measured here: 0.67 -> 1.09 GB/s for 2 MiB echoes).
+_HTTP2 = [("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.bdp_probe", 0),
+          ("grpc.http2.initial_window_size", 16 << 20)]
 
 
 class Unavailable(ConnectionError):
@@ -94,7 +98,7 @@ def serve(address: str, service: str, methods: Mapping[str, Callable[[bytes], by
         handlers=[grpc.method_handlers_generic_handler(service, handlers)],
         options=[("grpc.max_receive_message_length", max_receive_bytes),
                  ("grpc.max_send_message_length", -1),
-                 ("grpc.so_reuseport", 0)])
+                 ("grpc.so_reuseport", 0), *_HTTP2])
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}: is another process using the port?")
@@ -116,7 +120,7 @@ class Channel:
                               # default exponential backoff (up to 2 minutes)
                               ("grpc.initial_reconnect_backoff_ms", 100),
                               ("grpc.min_reconnect_backoff_ms", 100),
-                              ("grpc.max_reconnect_backoff_ms", 1000)])
+                              ("grpc.max_reconnect_backoff_ms", 1000), *_HTTP2])
         self._stubs: dict[str, Any] = {}
 
     def _stub(self, method: str):
