@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+import jaxdist
 import jaxdist.ps as ps
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ps_scripts"))
@@ -75,7 +76,8 @@ def test_bounded_staleness_holds_in_the_servers_log():
         assert values[-1].fetch() < values[0].fetch()
 
 
-def test_sync_mode_matches_full_batch_training():
+@pytest.mark.parametrize("worker_strategy", [None, "mirrored"])
+def test_sync_mode_matches_full_batch_training(worker_strategy):
     (x, y), _ = dj.digits()
     workers, per_worker, rounds = 3, 16, 8
     tx = optax.sgd(0.5, momentum=0.9)  # linear in the gradients: adam would amplify float noise
@@ -89,8 +91,11 @@ def test_sync_mode_matches_full_batch_training():
         return worker.step((bx[k * per_worker:(k + 1) * per_worker],
                             by[k * per_worker:(k + 1) * per_worker]))
 
+    local = jaxdist.MirroredStrategy() if worker_strategy else None  # all devices per worker
+    assert local is None or local.num_replicas_in_sync == 8  # conftest's simulated devices
     strategy = ps.ParameterServerStrategy(ps.LocalCluster(num_ps=2, num_workers=workers),
-                                          sync_replicas=workers, max_shard_bytes=4096)
+                                          sync_replicas=workers, max_shard_bytes=4096,
+                                          worker_strategy=local)
     with strategy.start(dj.init_params(), tx, dj.loss_fn) as coord:
         assert "rows [" in strategy.placement_report()  # the 64x64 kernel is partitioned
         for t in range(rounds):

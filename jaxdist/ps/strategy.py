@@ -29,7 +29,8 @@ from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig
 from jaxdist.ps.transport import (GrpcClient, LocalClient, PS_SERVICE, PSService, Unavailable,
                                   serve)
-from jaxdist.ps.worker import WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService
+from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
+                               strategy_grad_fn)
 
 __all__ = ["ParameterServerStrategy", "LocalCluster", "RemoteCluster", "cluster_from_tf_config"]
 
@@ -120,6 +121,8 @@ class ParameterServerStrategy:
       max_push_bytes: largest gradient push a server accepts.
       heartbeat_s, dead_after_s: worker liveness checks.
       retry_timeout_s: how long workers retry a server that is down.
+      worker_strategy: a local jaxdist strategy (e.g. ``MirroredStrategy()``) whose compiled
+        step computes each worker's gradients on the worker's devices; default: ``jax.jit``.
 
     >>> s = ParameterServerStrategy(LocalCluster(num_ps=2, num_workers=3))
     >>> s.num_replicas_in_sync, s.mesh
@@ -132,7 +135,7 @@ class ParameterServerStrategy:
                  token: str | None = None, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 100, max_push_bytes: int = 512 << 20,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
-                 retry_timeout_s: float = 60.0):
+                 retry_timeout_s: float = 60.0, worker_strategy: Any = None):
         if cluster is None:
             cluster = cluster_from_tf_config()
         self.cluster = cluster
@@ -144,6 +147,7 @@ class ParameterServerStrategy:
                                    checkpoint_every=checkpoint_every)
         self._liveness = dict(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
         self.retry_timeout_s = retry_timeout_s
+        self.worker_strategy = worker_strategy
         self.placement: placement_lib.Placement | None = None
         if isinstance(cluster, LocalCluster):
             self.num_ps, self.num_workers = cluster.num_ps, cluster.num_workers
@@ -191,7 +195,9 @@ class ParameterServerStrategy:
         """
         if (loss_fn is None) == (grad_fn is None):
             raise ValueError("pass exactly one of loss_fn= and grad_fn=")
-        grad_fn = grad_fn or jax.jit(jax.value_and_grad(loss_fn))
+        if grad_fn is None:
+            grad_fn = (jax.jit(jax.value_and_grad(loss_fn)) if self.worker_strategy is None
+                       else strategy_grad_fn(self.worker_strategy, loss_fn))
         placement, treedef = self._plan(params)
         shards = placement.split(placement_lib.flatten(params)[0])
         if isinstance(self.cluster, LocalCluster):

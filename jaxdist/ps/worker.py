@@ -24,7 +24,7 @@ from jaxdist.ps import wire
 from jaxdist.ps.server import PushRejected
 from jaxdist.ps.transport import ServerClient, Unavailable
 
-__all__ = ["WorkerRuntime", "remote", "resolve", "make_step_id", "GradFn", "WorkerService",
+__all__ = ["WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
            "WORKER_SERVICE", "to_plain"]
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,33 @@ def make_step_id(closure_id: int, k: int = 0) -> int:
     if not 0 <= k < 1 << _STEP_BITS:
         raise ValueError(f"a closure may run at most {1 << _STEP_BITS} steps, got step {k}")
     return closure_id << _STEP_BITS | k
+
+
+def strategy_grad_fn(strategy: Any, loss_fn: Callable[[Any, Any], Any]) -> GradFn:
+    """A worker's gradient function computed by a local strategy's compiled step.
+
+    This is how a worker uses all its devices: with ``jaxdist.MirroredStrategy()`` the worker's
+    batch is split over its local devices and the gradient is the mean over the whole batch
+    (the batch size must divide the strategy's replica count).
+
+    Args:
+      strategy: a jaxdist strategy with ``step(fn, donate=...)`` (global view).
+      loss_fn: ``loss_fn(params, batch) -> scalar``.
+
+    Returns:
+      ``grad_fn(params, batch) -> (loss, grads)``.
+    """
+    def fn(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return params, {"loss": loss, "grads": grads}
+
+    step = strategy.step(fn, donate=False)  # the servers own the parameters; never donate them
+
+    def grad_fn(params, batch):
+        _, out = step(params, batch)
+        return out["loss"], out["grads"]
+
+    return grad_fn
 
 
 def remote(fn: Callable) -> Callable:
