@@ -64,14 +64,11 @@ def _run_task(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if role == "ps":
-        from jaxdist.ps.transport import PS_SERVICE, PSService, serve
-        service = PSService(index, checkpoint_dir=args.checkpoint_dir)
-        server, _ = serve(cluster["ps"][index], PS_SERVICE, service.methods(),
-                          token=os.environ.get("JAXDIST_PS_TOKEN"))
+        from jaxdist.ps.transport import PS_SERVICE, PSService, serve_until_stopped
         print(f"jaxdist ps: ps {index} serving on {cluster['ps'][index]}", flush=True)
-        service.stopped.wait()
-        time.sleep(0.2)  # let the Shutdown reply leave
-        server.stop(grace=1).wait()
+        serve_until_stopped(PSService(index, checkpoint_dir=args.checkpoint_dir),
+                            cluster["ps"][index], PS_SERVICE,
+                            token=os.environ.get("JAXDIST_PS_TOKEN"))
         return 0
     if not args.script:
         print(f"jaxdist ps: role {role} runs the job script: jaxdist ps --role {role} "

@@ -14,9 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Piece", "Placement", "plan", "flatten", "unflatten"]
+__all__ = ["Piece", "Placement", "plan", "flatten", "unflatten", "METHODS"]
 
-_METHODS = ("greedy", "round_robin")
+METHODS = ("greedy", "round_robin")
 
 
 def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
@@ -146,8 +146,8 @@ def plan(tree: Any, num_shards: int, *, method: str = "greedy",
     >>> [p.shard for p in plan(tree, 2, method="round_robin").pieces]
     [0, 1, 0]
     """
-    if method not in _METHODS:
-        raise ValueError(f"placement method {method!r} is unknown; expected one of {_METHODS}")
+    if method not in METHODS:
+        raise ValueError(f"placement method {method!r} is unknown; expected one of {METHODS}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     for name, v in (("max_shard_bytes", max_shard_bytes), ("num_partitions", num_partitions)):

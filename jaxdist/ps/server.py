@@ -215,9 +215,11 @@ class ParameterServer:
                 if len(self._pending) >= sync:
                     pend = self._pending
                     self._pending = {}
-                    mean = {k: sum(np.asarray(g[k], np.float32) for _, _, g in pend.values())
-                            / len(pend) for k in self._shapes}
-                    mean = {k: v.astype(self._shapes[k][1]) for k, v in mean.items()}
+                    mean = {}
+                    for k, (_, dtype) in self._shapes.items():
+                        acc = np.result_type(dtype, np.float32)  # bf16/f16 sum in f32, f64 in f64
+                        total = sum(np.asarray(g[k], acc) for _, _, g in pend.values())
+                        mean[k] = (total / len(pend)).astype(dtype)
                     self._update(mean, [(s, w, v) for s, (w, v, _) in pend.items()])
                     status = "applied"
             else:

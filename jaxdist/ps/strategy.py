@@ -28,7 +28,7 @@ from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig
 from jaxdist.ps.transport import (GrpcClient, LocalClient, PS_SERVICE, PSService, Unavailable,
-                                  serve)
+                                  serve_until_stopped)
 from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
                                strategy_grad_fn)
 
@@ -156,7 +156,9 @@ class ParameterServerStrategy:
             self.num_ps, self.num_workers = len(cluster.ps), len(cluster.worker)
             self.role = getattr(cluster, "task_type", "coordinator")
             self.task_index = getattr(cluster, "task_index", 0)
-        placement_lib.plan({}, self.num_ps, method=placement)  # validates the method early
+        if placement not in placement_lib.METHODS:
+            raise ValueError(f"placement={placement!r} is unknown; expected one of "
+                             f"{placement_lib.METHODS}")
 
     mesh = None
 
@@ -228,11 +230,8 @@ class ParameterServerStrategy:
                                   treedef=treedef, **self._liveness)
 
     def _serve(self, service, address: str, name: str):
-        server, _ = serve(address, name, service.methods(), token=self.token)
         logger.info("%s %d serving on %s", self.role, self.task_index, address)
-        service.stopped.wait()
-        time.sleep(0.2)  # let the Shutdown reply leave
-        server.stop(grace=1).wait()
+        serve_until_stopped(service, address, name, token=self.token)
         sys.exit(0)
 
     def _start_coordinator(self, clients, shards, optimizer, placement, treedef):

@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerC
 from jaxdist.ps.optim import OptimizerSpec
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
-           "serve", "PSService", "Channel", "PS_SERVICE"]
+           "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,16 @@ def serve(address: str, service: str, methods: Mapping[str, Callable[[bytes], by
         raise RuntimeError(f"could not bind {address}: is another process using the port?")
     server.start()
     return server, port
+
+
+def serve_until_stopped(service: Any, address: str, name: str, *,
+                        token: str | None = None) -> None:
+    """Serves ``service.methods()`` on ``address`` until ``service.stopped`` is set (by the
+    coordinator's ``Shutdown`` call)."""
+    server, _ = serve(address, name, service.methods(), token=token)
+    service.stopped.wait()
+    time.sleep(0.2)  # let the Shutdown reply leave before the server stops
+    server.stop(grace=1).wait()
 
 
 class Channel:
