@@ -69,6 +69,7 @@ def main(argv=None):
     p.add_argument("--staleness", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--dead-after", type=float, default=5.0)
     p.add_argument("--wait-workers-at", type=int, default=None,
                    help="after scheduling this many steps, join and wait until every worker "
                         "is live (a killed and restarted worker has rejoined)")
@@ -77,7 +78,8 @@ def main(argv=None):
                         format="%(asctime)s %(processName)s %(name)s: %(message)s")
     strategy = ps.ParameterServerStrategy(None, staleness=a.staleness,
                                           checkpoint_dir=a.checkpoint_dir,
-                                          checkpoint_every=a.checkpoint_every)
+                                          checkpoint_every=a.checkpoint_every,
+                                          dead_after_s=a.dead_after)
     coord = strategy.start(init_params(), ps.optimizer("adam", learning_rate=3e-3), loss_fn)
     try:
         it = coord.create_per_worker_dataset(batches)
