@@ -118,3 +118,16 @@ def test_bad_pushes_are_rejected_and_the_server_keeps_serving(grpc_server):
     assert version == 1
     np.testing.assert_array_equal(pulled["w"], -1.0)
     assert client.log() == [(1, 0, 0, 0)]
+
+
+def test_lost_updates_count_acknowledged_versions_past_the_restored_checkpoint():
+    from jaxdist.ps.coordinator import ClusterCoordinator
+    coord = ClusterCoordinator([], servers=[], placement=None, treedef=None)
+    try:
+        # ps0: fresh run acknowledged up to version 57, restarted from its checkpoint at 40
+        # (versions 41..57 lost), then ran on to 90; ps1 never restarted.
+        coord._record_acks([[0, 111, -1, 50], [1, 333, -1, 60]])
+        coord._record_acks([[0, 111, -1, 57], [0, 222, 40, 90]])
+        assert coord.lost_updates() == {0: 17, 1: 0}
+    finally:
+        coord.shutdown()

@@ -398,7 +398,9 @@ class ClusterCoordinator:
         out = {}
         with self._cond:
             for shard, by_inc in self._acks.items():
-                runs = sorted(by_inc.values())  # by restored version: one entry per incarnation
+                # one [restored version, highest ack] per incarnation; restores only move
+                # forward in time, and the fresh start (-1) comes first
+                runs = sorted(by_inc.values())
                 out[shard] = sum(max(0, prev[1] - cur[0]) for prev, cur in zip(runs, runs[1:]))
         return out
 

@@ -103,7 +103,8 @@ class PushResult:
         ``"duplicate"`` (this step id was already taken) or ``"stale"`` (pull and recompute).
       version: the server's version after handling the push (sync: the version the round produces).
       incarnation: random id of this server process; changes on restart.
-      restored_version: version this incarnation was restored from (0 for a fresh start).
+      restored_version: version this incarnation was restored from (-1 for a fresh start, so
+        a restart from the version-0 checkpoint still counts as a restart).
     """
 
     status: str
@@ -151,7 +152,7 @@ class ParameterServer:
         self._apply = jax.jit(self._apply_fn)
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self.version = 0
-        self.restored_version = 0
+        self.restored_version = -1
         self._taken: set[int] = set()  # applied or pending step ids
         self._pending: dict[int, tuple[int, int, Mapping[str, np.ndarray]]] = {}
         self.log: list[UpdateRecord] = []
