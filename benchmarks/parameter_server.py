@@ -157,6 +157,8 @@ def main(argv=None) -> int:
                 for kind in ("transport", "compute"):
                     r = table[name, kind, 2][1] / table[name, kind, 1][1]
                     print(f"  {name:<11} {kind:<9} {r:.2f}x")
+        print("(in-process workers get the server's arrays by reference: its GB/s counts bytes "
+              "served, not bytes copied)")
         best = max(v[2] for (name, _, _), v in table.items() if name == "grpc")
         print(f"best gRPC server throughput: {best:.3f} GB/s")
         client.shutdown()
