@@ -194,6 +194,19 @@ class ParameterServerStrategy:
         Returns:
           A :class:`ClusterCoordinator` on the coordinator. On ``ps`` and ``worker`` tasks this
           serves until the coordinator shuts the job down, then exits the process.
+
+        Raises:
+          ValueError: neither or both of ``loss_fn`` and ``grad_fn``.
+          TypeError: a plain optax transformation for servers in other processes.
+
+        >>> import numpy as np, optax
+        >>> s = ParameterServerStrategy(LocalCluster(num_ps=1, num_workers=2))
+        >>> loss = lambda p, b: ((p["w"] * b) ** 2).sum()
+        >>> with s.start({"w": np.ones(3, np.float32)}, optax.sgd(0.1), loss) as coord:
+        ...     v = coord.schedule(lambda worker, b: worker.step(b), args=(np.ones(3),))
+        ...     coord.join()
+        ...     print(v.fetch(), coord.fetch_params()["w"].tolist())
+        3.0 [0.800000011920929, 0.800000011920929, 0.800000011920929]
         """
         if (loss_fn is None) == (grad_fn is None):
             raise ValueError("pass exactly one of loss_fn= and grad_fn=")
