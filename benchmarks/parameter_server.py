@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxdist.ps import optimizer  # noqa: E402
 from jaxdist.ps.cli import free_ports  # noqa: E402
 from jaxdist.ps.server import ParameterServer, ServerConfig  # noqa: E402
-from jaxdist.ps.transport import GrpcClient, LocalClient  # noqa: E402
+from jaxdist.ps.transport import Channel, GrpcClient, LocalClient, serve  # noqa: E402
 
 
 def model(mb: float) -> dict[str, np.ndarray]:
@@ -56,6 +56,42 @@ def worker_loop(client, index: int, seconds: float, compute_s: float, start_at: 
         nbytes = sum(v.nbytes for v in params.values())
         pulls, pushes, moved = pulls + 1, pushes + 1, moved + 2 * nbytes
     return {"pulls": pulls, "pushes": pushes, "bytes": moved, "seconds": seconds}
+
+
+def run_raw_echo(nbytes: int, seconds: float) -> float:
+    """Ceiling of Python gRPC here: GB/s of a bare echo server (another process) that returns
+    ``nbytes`` per Pull and swallows ``nbytes`` per Push, with the transport's channel options."""
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
+    proc = subprocess.Popen([sys.executable, __file__, "--_echo", addr, "--_bytes", str(nbytes)],
+                            stdout=subprocess.DEVNULL)
+    try:
+        ch = Channel(addr, "bench.Echo")
+        payload = b"\0" * nbytes
+        deadline = time.time() + 60
+        while True:
+            try:
+                ch.call("Pull", b"", timeout=5)
+                break
+            except ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        cycles, end = 0, time.time() + seconds
+        while time.time() < end:
+            ch.call("Pull", b"")
+            ch.call("Push", payload)
+            cycles += 1
+        ch.close()
+        return 2 * nbytes * cycles / seconds / 1e9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _echo_server(addr: str, nbytes: int) -> None:
+    payload = b"\0" * nbytes
+    server, _ = serve(addr, "bench.Echo", {"Pull": lambda r: payload, "Push": lambda r: b""})
+    server.wait_for_termination()
 
 
 def _total(results: list[dict], seconds: float) -> tuple[float, float, float]:
@@ -105,7 +141,12 @@ def main(argv=None) -> int:
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--_start", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--_echo", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_bytes", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a._echo:
+        _echo_server(a._echo, a._bytes)
+        return 0
     if a._worker:
         client = GrpcClient(a._worker, timeout=30)
         client.status()
@@ -160,7 +201,10 @@ def main(argv=None) -> int:
         print("(in-process workers get the server's arrays by reference: its GB/s counts bytes "
               "served, not bytes copied)")
         best = max(v[2] for (name, _, _), v in table.items() if name == "grpc")
-        print(f"best gRPC server throughput: {best:.3f} GB/s")
+        raw = run_raw_echo(nbytes, a.seconds)
+        print(f"best gRPC server throughput: {best:.3f} GB/s; bare Python gRPC echo of the same "
+              f"messages, 1 client: {raw:.3f} GB/s; parameter server 1 worker / echo: "
+              f"{table['grpc', 'transport', counts[0]][2] / raw:.2f}")
         client.shutdown()
         client.close()
     finally:
