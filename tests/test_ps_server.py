@@ -1,6 +1,8 @@
 """Parameter-server semantics: versions, exactly-once step ids, staleness, sync rounds,
 checkpoints, and bad pushes over gRPC."""
 
+import time
+
 import jax
 import numpy as np
 import optax
@@ -129,5 +131,70 @@ def test_lost_updates_count_acknowledged_versions_past_the_restored_checkpoint()
         coord._record_acks([[0, 111, -1, 50], [1, 333, -1, 60]])
         coord._record_acks([[0, 111, -1, 57], [0, 222, 40, 90]])
         assert coord.lost_updates() == {0: 17, 1: 0}
+    finally:
+        coord.shutdown()
+
+
+class _FlakyWorker:
+    """A worker handle that loses every closure but keeps answering heartbeats."""
+
+    index = 0
+
+    def __init__(self):
+        self.runs = 0
+
+    def run(self, closure_id, fn, args, kwargs):
+        from jaxdist.ps.coordinator import WorkerLost
+        self.runs += 1
+        raise WorkerLost("connection reset")
+
+    def create_dataset(self, ds, num_workers):
+        pass
+
+    def ping(self, timeout):
+        return 7
+
+    def abort(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_closure_that_keeps_losing_its_worker_fails_after_max_attempts():
+    from jaxdist.ps.coordinator import ClosureError, ClusterCoordinator
+    flaky = _FlakyWorker()
+    coord = ClusterCoordinator([flaky], servers=[], placement=None, treedef=None,
+                               heartbeat_s=0.05, max_attempts=3)
+    try:
+        value = coord.schedule(lambda worker: 1)
+        with pytest.raises(ClosureError, match="lost a worker on each of its 3 attempts"):
+            coord.join(timeout=60)
+        assert flaky.runs == 3 and coord.rescheduled == 2 and value.done()
+        deadline = time.monotonic() + 30
+        while coord.live_workers() != [0]:  # heartbeats bring it back
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        coord.shutdown()
+
+
+def test_multiprocess_schedule_refuses_unregistered_functions_and_odd_arguments():
+    from jaxdist.ps import remote
+    from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker
+
+    @remote
+    def registered(worker, x):
+        return x
+
+    worker = GrpcWorker(0, "127.0.0.1:9", token=None)  # never contacted: nothing is scheduled
+    coord = ClusterCoordinator([worker], servers=[], placement=None, treedef=None,
+                               heartbeat_s=60)
+    try:
+        with pytest.raises(ValueError, match="not registered for remote execution"):
+            coord.schedule(lambda worker: 1)
+        with pytest.raises(ValueError, match="cannot be sent to a worker process"):
+            coord.schedule(registered, args=(object(),))
+        assert coord.done()
     finally:
         coord.shutdown()

@@ -149,12 +149,22 @@ class GrpcWorker:
         self._ch = Channel(address, WORKER_SERVICE, token=token)
         self._inflight = None
 
-    def run(self, closure_id, fn, args, kwargs):
+    @staticmethod
+    def request(closure_id, fn, args, kwargs) -> bytes:
+        """The Run message; raises ValueError for an unregistered function or arguments that
+        cannot travel (anything but plain values and per-worker datasets)."""
         wire_args = [{"__dataset__": a.handle} if isinstance(a, PerWorkerDataset) else a
                      for a in args]
-        request = wire.encode({"closure_id": closure_id, "name": name_of(fn),
-                               "args": to_plain(wire_args), "kwargs": to_plain(kwargs)})
-        self._inflight = fut = self._ch._stub("Run").future(request, metadata=self._ch._metadata)
+        try:
+            return wire.encode({"closure_id": closure_id, "name": name_of(fn),
+                                "args": to_plain(wire_args), "kwargs": to_plain(kwargs)})
+        except TypeError as e:  # msgpack: an object it cannot serialize
+            raise ValueError(f"arguments of {fn.__qualname__} cannot be sent to a worker "
+                             f"process ({e}); pass numbers, strings, lists, dicts, arrays "
+                             "or per-worker datasets") from None
+
+    def run(self, closure_id, fn, args, kwargs):
+        self._inflight = fut = self._ch.future("Run", self.request(closure_id, fn, args, kwargs))
         try:
             reply = fut.result()
         except grpc.FutureCancelledError:
@@ -215,12 +225,22 @@ class ClusterCoordinator:
 
     Built by :meth:`jaxdist.ParameterServerStrategy.start`; usable as a context manager that
     shuts the job down on exit.
+
+    Args:
+      workers: handles of the workers (in-process or gRPC).
+      servers: clients of the parameter servers, in shard order.
+      placement, treedef: to reassemble the parameters in :meth:`fetch_params`.
+      heartbeat_s: seconds between heartbeats to each worker.
+      dead_after_s: a worker whose heartbeats fail for this long is marked dead.
+      max_attempts: a closure that loses its worker this many times fails with
+        :class:`ClosureError` instead of being re-scheduled again.
+      on_shutdown: called by :meth:`shutdown` (stops the servers of a multi-process job).
     """
 
     def __init__(self, workers: Sequence[WorkerHandle], *, servers: Sequence[Any],
                  placement: placement_lib.Placement, treedef: Any,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
-                 on_shutdown: Callable[[], None] | None = None):
+                 max_attempts: int = 10, on_shutdown: Callable[[], None] | None = None):
         self.workers = list(workers)
         self.servers = list(servers)
         self.placement = placement
@@ -237,6 +257,7 @@ class ClusterCoordinator:
         self._acks: dict[int, dict[int, list[int]]] = {}
         self.rescheduled = 0
         self._heartbeat_s, self._dead_after_s = heartbeat_s, dead_after_s
+        self._max_attempts = max_attempts
         self._on_shutdown = on_shutdown
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._dispatch, args=(w,), daemon=True,
@@ -264,9 +285,14 @@ class ClusterCoordinator:
 
         Returns:
           A :class:`RemoteValue`.
+
+        Raises:
+          ValueError: (multi-process) ``fn`` is not registered or an argument cannot travel.
         """
         closure = _Closure(next(self._ids), fn, tuple(args), dict(kwargs or {}), None)
         closure.value = RemoteValue(closure.id)
+        if any(isinstance(w, GrpcWorker) for w in self.workers):
+            GrpcWorker.request(closure.id, fn, closure.args, closure.kwargs)  # fail here, early
         with self._cond:
             self._unfinished += 1
             self._queue.append(closure)
@@ -329,14 +355,23 @@ class ClusterCoordinator:
                 result, acks = w.run(closure.id, closure.fn, closure.args, closure.kwargs)
             except WorkerLost as e:
                 self._mark_dead(w, e)
-                with self._cond:
-                    self.rescheduled += 1
-                    self._queue.appendleft(closure)
-                    self._cond.notify_all()
-                logger.warning("closure %d re-scheduled: worker %d lost", closure.id, w.index)
-                continue
+                if closure.attempts < self._max_attempts:
+                    with self._cond:
+                        self.rescheduled += 1
+                        self._queue.appendleft(closure)
+                        self._cond.notify_all()
+                    logger.warning("closure %d re-scheduled: worker %d lost", closure.id,
+                                   w.index)
+                    continue
+                result, acks, error = None, [], ClosureError(
+                    f"closure {closure.id} lost a worker on each of its {closure.attempts} "
+                    f"attempts (last: {e}); does it crash its worker?")
             except ClosureError as e:
                 result, acks, error = None, [], e
+            except Exception as e:  # never let one closure stop this worker's dispatcher
+                logger.exception("dispatching closure %d", closure.id)
+                result, acks, error = None, [], ClosureError(
+                    f"closure {closure.id} could not run: {type(e).__name__}: {e}")
             else:
                 error = None
             self._record_acks(acks)

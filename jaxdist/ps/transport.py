@@ -145,6 +145,11 @@ class Channel:
         except grpc.RpcError as e:
             raise _error(e, f"{self._service}/{method} at {self.address}") from None
 
+    def future(self, method: str, payload: bytes):
+        """Starts a call without a deadline; ``result()`` raises ``grpc.RpcError`` (or
+        ``grpc.FutureCancelledError`` after ``cancel()``)."""
+        return self._stub(method).future(payload, metadata=self._metadata)
+
     def close(self) -> None:
         self._channel.close()
 
