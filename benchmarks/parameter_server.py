@@ -1,0 +1,219 @@
+"""Parameter-server throughput: pushes+pulls per second and server GB/s for 1, 2, 4 workers.
+
+Each worker loops ``pull the whole model -> [compute] -> push a gradient of the same size``
+against one server that applies SGD to every push (asynchronous mode). Two transports:
+
+* ``grpc``: the server and every worker are separate processes talking over loopback gRPC;
+* ``in-process``: the same loop in threads calling the server object directly (no bytes moved).
+
+Two worker kinds: ``transport`` (no compute: the server/transport limit) and ``compute`` (each
+step also spends ``--compute-ms`` away from the server, as a worker computing its gradient on its
+own accelerator would; emulated with a sleep because this machine's few shared cores would
+otherwise measure CPU contention, not the parameter server). Ratios compare runs of this one
+invocation.
+
+    python benchmarks/parameter_server.py [--mb 2] [--seconds 3] [--workers 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxdist.ps import optimizer  # noqa: E402
+from jaxdist.ps.cli import free_ports  # noqa: E402
+from jaxdist.ps.server import ParameterServer, ServerConfig  # noqa: E402
+from jaxdist.ps.transport import Channel, GrpcClient, LocalClient, serve  # noqa: E402
+
+
+def model(mb: float) -> dict[str, np.ndarray]:
+    rows = int(mb * (1 << 20) / 4 / 2 / 512)
+    return {f"w{i}": np.zeros((rows, 512), np.float32) for i in range(2)}
+
+
+def worker_loop(client, index: int, seconds: float, compute_s: float, start_at: float) -> dict:
+    grads = None
+    pulls = pushes = moved = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    end = time.time() + seconds
+    while time.time() < end:
+        version, params = client.pull()
+        if grads is None:
+            grads = {k: np.full(v.shape, 1e-6, v.dtype) for k, v in params.items()}
+        if compute_s:
+            time.sleep(compute_s)
+        client.push(worker=index, step_id=index << 32 | pushes, version=version, grads=grads)
+        nbytes = sum(v.nbytes for v in params.values())
+        pulls, pushes, moved = pulls + 1, pushes + 1, moved + 2 * nbytes
+    return {"pulls": pulls, "pushes": pushes, "bytes": moved, "seconds": seconds}
+
+
+def run_raw_echo(nbytes: int, seconds: float) -> float:
+    """Ceiling of Python gRPC here: GB/s of a bare echo server (another process) that returns
+    ``nbytes`` per Pull and swallows ``nbytes`` per Push, with the transport's channel options."""
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
+    proc = subprocess.Popen([sys.executable, __file__, "--_echo", addr, "--_bytes", str(nbytes)],
+                            stdout=subprocess.DEVNULL)
+    try:
+        ch = Channel(addr, "bench.Echo")
+        payload = b"\0" * nbytes
+        deadline = time.time() + 60
+        while True:
+            try:
+                ch.call("Pull", b"", timeout=5)
+                break
+            except ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        cycles, end = 0, time.time() + seconds
+        while time.time() < end:
+            ch.call("Pull", b"")
+            ch.call("Push", payload)
+            cycles += 1
+        ch.close()
+        return 2 * nbytes * cycles / seconds / 1e9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _echo_server(addr: str, nbytes: int) -> None:
+    payload = b"\0" * nbytes
+    server, _ = serve(addr, "bench.Echo", {"Pull": lambda r: payload, "Push": lambda r: b""})
+    server.wait_for_termination()
+
+
+def _total(results: list[dict], seconds: float) -> tuple[float, float, float]:
+    ops = sum(r["pulls"] + r["pushes"] for r in results) / seconds
+    updates = sum(r["pushes"] for r in results) / seconds
+    gbs = sum(r["bytes"] for r in results) / seconds / 1e9
+    return ops, updates, gbs
+
+
+def run_inprocess(params, n: int, seconds: float, compute_s: float):
+    server = ParameterServer(0, params, optimizer("sgd", learning_rate=0.1).build())
+    client = LocalClient(server)
+    worker_loop(client, 99, 0.3, 0.0, time.time())  # compile the update outside the timing
+    results: list[dict] = []
+    start = time.time() + 0.2
+    threads = [threading.Thread(target=lambda i=i: results.append(
+        worker_loop(client, i, seconds, compute_s, start))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return _total(results, seconds)
+
+
+def run_grpc(params, n: int, seconds: float, compute_s: float, server_addr: str):
+    client = GrpcClient(server_addr, timeout=30)
+    worker_loop(client, 99, 0.3, 0.0, time.time())  # warm the channel and the update
+    client.close()
+    start = time.time() + 2.0  # workers are started and connected by then
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--_worker", server_addr, "--_index", str(i),
+         "--seconds", str(seconds), "--compute-ms", str(compute_s * 1e3),
+         "--_start", repr(start)], stdout=subprocess.PIPE) for i in range(n)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds + 120)
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return _total(results, seconds)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=2.0, help="model size in MiB")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--compute-ms", type=float, default=20.0)
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--_start", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--_echo", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_bytes", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._echo:
+        _echo_server(a._echo, a._bytes)
+        return 0
+    if a._worker:
+        client = GrpcClient(a._worker, timeout=30)
+        client.status()
+        print(json.dumps(worker_loop(client, a._index, a.seconds, a.compute_ms / 1e3,
+                                     a._start)))
+        return 0
+
+    params = model(a.mb)
+    nbytes = sum(v.nbytes for v in params.values())
+    counts = [int(n) for n in a.workers.split(",")]
+    port = free_ports(1)[0]
+    addr = f"127.0.0.1:{port}"
+    cluster = json.dumps({"ps": [addr], "worker": ["127.0.0.1:1"]})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")])))
+    server = subprocess.Popen([sys.executable, "-m", "jaxdist.ps.cli", "--role", "ps",
+                               "--index", "0", "--cluster", cluster], env=env,
+                              stdout=subprocess.DEVNULL)
+    try:
+        client = GrpcClient(addr, timeout=30)
+        deadline = time.time() + 60
+        while True:
+            try:
+                client.init(0, params, optimizer("sgd", learning_rate=0.1),
+                            ServerConfig(max_push_bytes=2 * nbytes))
+                break
+            except ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        print(f"model {nbytes / 2**20:.2f} MiB (2 float32 leaves), 1 server applying SGD, "
+              f"{a.seconds:g} s per run, compute kind = sleep {a.compute_ms:g} ms per step")
+        print(f"{'transport':<11} {'kind':<9} {'workers':>7} {'ops/s':>9} {'updates/s':>10} "
+              f"{'server GB/s':>11}")
+        table = {}
+        for kind, compute_s in (("transport", 0.0), ("compute", a.compute_ms / 1e3)):
+            for n in counts:
+                for name, fn in (("grpc", lambda: run_grpc(params, n, a.seconds, compute_s,
+                                                           addr)),
+                                 ("in-process", lambda: run_inprocess(params, n, a.seconds,
+                                                                      compute_s))):
+                    ops, ups, gbs = table[name, kind, n] = fn()
+                    print(f"{name:<11} {kind:<9} {n:>7} {ops:>9.1f} {ups:>10.1f} {gbs:>11.3f}",
+                          flush=True)
+        if 1 in counts and 2 in counts:
+            print("ratios, 2 workers / 1 worker (updates/s):")
+            for name in ("grpc", "in-process"):
+                for kind in ("transport", "compute"):
+                    r = table[name, kind, 2][1] / table[name, kind, 1][1]
+                    print(f"  {name:<11} {kind:<9} {r:.2f}x")
+        print("(in-process workers get the server's arrays by reference: its GB/s counts bytes "
+              "served, not bytes copied)")
+        best = max(v[2] for (name, _, _), v in table.items() if name == "grpc")
+        raw = run_raw_echo(nbytes, a.seconds)
+        print(f"best gRPC server throughput: {best:.3f} GB/s; bare Python gRPC echo of the same "
+              f"messages, 1 client: {raw:.3f} GB/s; parameter server 1 worker / echo: "
+              f"{table['grpc', 'transport', counts[0]][2] / raw:.2f}")
+        client.shutdown()
+        client.close()
+    finally:
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

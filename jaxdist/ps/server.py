@@ -1,0 +1,340 @@
+"""A parameter server: one shard of the parameters, its optimizer state, and the update loop.
+
+The server is transport-agnostic: in-process workers call :meth:`ParameterServer.push` and
+:meth:`ParameterServer.pull` directly, remote ones reach the same methods through
+:mod:`jaxdist.ps.transport`. Updates follow one of three modes:
+
+* asynchronous (default): every push is applied as it arrives;
+* bounded staleness (``staleness=s``): a push computed on a version more than ``s`` updates old
+  is refused with status ``"stale"`` and the worker pulls and recomputes;
+* synchronous (``sync_replicas=K``): pushes computed on the current version are averaged, and
+  applied once when ``K`` have arrived.
+
+Every push carries ``(worker, step_id)``; a step id is applied at most once (re-sending a step
+after a failure returns ``"duplicate"``). Each applied push is logged as an :class:`UpdateRecord`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jaxdist.ps import wire
+from jaxdist.ps.optim import OptimizerSpec
+
+__all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "ParameterServer"]
+
+logger = logging.getLogger(__name__)
+
+_CKPT_FORMAT = "jaxdist-ps-checkpoint/1"
+
+
+class PushRejected(ValueError):
+    """A push that the server refuses (bad keys, shapes, dtypes, size). The server keeps serving.
+
+    Attributes:
+      code: ``"invalid_argument"`` or ``"resource_exhausted"`` (mapped to gRPC status codes).
+    """
+
+    def __init__(self, message: str, code: str = "invalid_argument"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Update mode and limits of a parameter server.
+
+    Attributes:
+      staleness: refuse pushes computed more than this many versions ago (None: no bound).
+      sync_replicas: average this many pushes per applied update (None: asynchronous).
+      max_push_bytes: largest push accepted, in bytes of gradient data.
+      checkpoint_dir: directory for this server's checkpoint file (None: no checkpoints).
+      checkpoint_every: write a checkpoint every this many applied updates.
+    """
+
+    staleness: int | None = None
+    sync_replicas: int | None = None
+    max_push_bytes: int = 512 << 20
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+
+    def __post_init__(self):
+        if self.staleness is not None and self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0 or None, got {self.staleness}")
+        if self.sync_replicas is not None and self.sync_replicas < 1:
+            raise ValueError(f"sync_replicas must be >= 1 or None, got {self.sync_replicas}")
+        if self.staleness is not None and self.sync_replicas is not None:
+            raise ValueError("staleness and sync_replicas are exclusive: synchronous mode only "
+                             "accepts pushes computed on the current version")
+        if self.max_push_bytes < 1 or self.checkpoint_every < 1:
+            raise ValueError(f"max_push_bytes ({self.max_push_bytes}) and checkpoint_every "
+                             f"({self.checkpoint_every}) must be >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRecord:
+    """One applied push: computed on ``computed_on``, applied when the server was at ``applied_at``
+    (so its staleness is ``applied_at - computed_on``)."""
+
+    step_id: int
+    worker: int
+    computed_on: int
+    applied_at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    """The server's answer to a push.
+
+    Attributes:
+      status: ``"applied"``, ``"pending"`` (sync mode: waiting for the round to fill),
+        ``"duplicate"`` (this step id was already taken) or ``"stale"`` (pull and recompute).
+      version: the server's version after handling the push (sync: the version the round produces).
+      incarnation: random id of this server process; changes on restart.
+      restored_version: version this incarnation was restored from (-1 for a fresh start, so
+        a restart from the version-0 checkpoint still counts as a restart).
+    """
+
+    status: str
+    version: int
+    incarnation: int
+    restored_version: int
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise PushRejected(f"{name} must be an integer, got {type(value).__name__}")
+    return int(value)
+
+
+class ParameterServer:
+    """Holds one shard's parameters and optimizer state and applies pushed gradients.
+
+    Args:
+      index: this server's shard index.
+      params: ``{key: array}`` of this shard (see :class:`jaxdist.ps.placement.Placement`).
+      optimizer: an :class:`OptimizerSpec` (required for multi-process servers, which rebuild it
+        from their checkpoint) or any ``optax.GradientTransformation``.
+      config: :class:`ServerConfig`.
+
+    >>> import numpy as np, optax
+    >>> ps = ParameterServer(0, {"w": np.ones(2, np.float32)}, optax.sgd(0.5))
+    >>> ps.push(worker=0, step_id=7, version=0, grads={"w": np.ones(2, np.float32)}).status
+    'applied'
+    >>> ps.push(worker=1, step_id=7, version=0, grads={"w": np.ones(2, np.float32)}).status
+    'duplicate'
+    >>> ps.pull()[0], ps.pull()[1]["w"].tolist()
+    (1, [0.5, 0.5])
+    """
+
+    def __init__(self, index: int, params: Mapping[str, Any],
+                 optimizer: OptimizerSpec | optax.GradientTransformation,
+                 config: ServerConfig = ServerConfig(), *, _state: dict | None = None):
+        self.index = index
+        self.config = config
+        self._spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
+        self._tx = optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
+        self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
+        self._shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in self._params.items()}
+        self._opt_state = self._tx.init(self._params)
+        self._apply = jax.jit(self._apply_fn)
+        self.incarnation = int.from_bytes(os.urandom(6), "little")
+        self.version = 0
+        self.restored_version = -1
+        self._taken: set[int] = set()  # applied or pending step ids
+        self._pending: dict[int, tuple[int, int, Mapping[str, np.ndarray]]] = {}
+        self.log: list[UpdateRecord] = []
+        self._cond = threading.Condition()
+        if _state is not None:
+            self._load_state(_state)
+        elif config.checkpoint_dir:
+            self._save()
+
+    # --- update loop -------------------------------------------------------------------------
+
+    def _apply_fn(self, params, opt_state, grads):
+        updates, opt_state = self._tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _validate(self, grads: Mapping[str, Any]) -> None:
+        nbytes = sum(int(np.prod(np.shape(g))) * np.dtype(g.dtype).itemsize
+                     for g in grads.values())
+        if nbytes > self.config.max_push_bytes:
+            raise PushRejected(f"push of {nbytes} bytes exceeds ps{self.index}'s limit of "
+                               f"{self.config.max_push_bytes} (ServerConfig.max_push_bytes)",
+                               "resource_exhausted")
+        unknown = sorted(set(grads) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(grads))
+        if unknown or missing:
+            raise PushRejected(f"push to ps{self.index} has unknown keys {unknown} and lacks "
+                               f"keys {missing}; this shard holds {sorted(self._shapes)}. "
+                               "Check that the worker uses the same placement as the servers.")
+        for k, g in grads.items():
+            shape, dtype = self._shapes[k]
+            if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != dtype:
+                raise PushRejected(
+                    f"push to ps{self.index}: gradient {k!r} is {np.dtype(g.dtype).name}"
+                    f"{list(np.shape(g))}, expected {dtype.name}{list(shape)}")
+
+    def push(self, *, worker: int, step_id: int, version: int,
+             grads: Mapping[str, Any]) -> PushResult:
+        """Offers gradients computed by ``worker`` for ``step_id`` on parameter ``version``.
+
+        Raises:
+          PushRejected: wrong keys, shapes, dtypes, or over ``max_push_bytes``.
+        """
+        worker, step_id, version = (_check_int(n, v) for n, v in
+                                    (("worker", worker), ("step_id", step_id),
+                                     ("version", version)))
+        self._validate(grads)
+        with self._cond:
+            sync = self.config.sync_replicas
+            if step_id in self._taken:
+                status = "duplicate"
+            elif version > self.version or (
+                    self.config.staleness is not None
+                    and self.version - version > self.config.staleness) or (
+                    sync is not None and version != self.version):
+                # A version from the future means this server restarted from a checkpoint.
+                status = "stale"
+            elif sync is not None:
+                self._taken.add(step_id)
+                self._pending[step_id] = (worker, version, grads)
+                status = "pending"
+                if len(self._pending) >= sync:
+                    pend = self._pending
+                    self._pending = {}
+                    mean = {}
+                    for k, (_, dtype) in self._shapes.items():
+                        acc = np.result_type(dtype, np.float32)  # bf16/f16 sum in f32, f64 in f64
+                        total = sum(np.asarray(g[k], acc) for _, _, g in pend.values())
+                        mean[k] = (total / len(pend)).astype(dtype)
+                    self._update(mean, [(s, w, v) for s, (w, v, _) in pend.items()])
+                    status = "applied"
+            else:
+                self._taken.add(step_id)
+                self._update(grads, [(step_id, worker, version)])
+                status = "applied"
+            version_out = self.version + (1 if status == "pending" else 0)
+            return PushResult(status, version_out, self.incarnation, self.restored_version)
+
+    def _update(self, grads: Mapping[str, Any], records: list[tuple[int, int, int]]) -> None:
+        self._params, self._opt_state = self._apply(self._params, self._opt_state, dict(grads))
+        self.log.extend(UpdateRecord(s, w, v, self.version) for s, w, v in records)
+        self.version += 1
+        self._cond.notify_all()
+        if self.config.checkpoint_dir and self.version % self.config.checkpoint_every == 0:
+            self._save()
+
+    def pull(self, *, min_version: int | None = None,
+             timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """Returns ``(version, {key: read-only array})``, first waiting up to ``timeout`` seconds
+        for ``version >= min_version`` when given (a synchronous worker waiting for its round).
+
+        Raises:
+          TimeoutError: ``min_version`` was not reached in time.
+        """
+        with self._cond:
+            if min_version is not None and not self._cond.wait_for(
+                    lambda: self.version >= min_version, timeout):
+                raise TimeoutError(f"ps{self.index} stayed at version {self.version} < "
+                                   f"{min_version} for {timeout}s: too few workers pushing "
+                                   f"for sync_replicas={self.config.sync_replicas}?")
+            version, params = self.version, self._params
+        return version, {k: np.asarray(v) for k, v in params.items()}
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            return {"index": self.index, "version": self.version,
+                    "incarnation": self.incarnation, "restored_version": self.restored_version,
+                    "pending": len(self._pending), "applied": len(self.log),
+                    "keys": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    @staticmethod
+    def checkpoint_path(directory: str, index: int) -> str:
+        return os.path.join(directory, f"ps{index}.ckpt")
+
+    def _save(self) -> None:
+        """Writes params, optimizer state, version, taken step ids and log atomically."""
+        leaves = jax.tree_util.tree_leaves(self._opt_state)
+        arrays = {f"p/{k}": v for k, v in self._params.items()}
+        arrays.update({f"s/{i}": v for i, v in enumerate(leaves)})
+        arrays["taken"] = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
+        arrays["log"] = np.array([dataclasses.astuple(r) for r in self.log],
+                                 np.int64).reshape(-1, 4)
+        header = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
+                  "optimizer": self._spec.to_dict() if self._spec else None,
+                  "config": self.config.to_dict(), "opt_leaves": len(leaves)}
+        path = self.checkpoint_path(self.config.checkpoint_dir, self.index)
+        os.makedirs(self.config.checkpoint_dir, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(wire.encode(header, arrays))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        logger.debug("ps%d: checkpoint at version %d -> %s", self.index, self.version, path)
+
+    def _load_state(self, state: dict) -> None:
+        header, arrays = state["header"], state["arrays"]
+        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
+        if {k: (tuple(v.shape), v.dtype) for k, v in params.items()} != self._shapes:
+            raise ValueError(f"checkpoint of ps{self.index} holds "
+                             f"{ {k: v.shape for k, v in params.items()} }, expected "
+                             f"{ {k: s for k, (s, _) in self._shapes.items()} }: it belongs to "
+                             "another model or placement; clear the checkpoint directory")
+        treedef = jax.tree_util.tree_structure(self._opt_state)
+        leaves = [jax.numpy.asarray(arrays[f"s/{i}"]) for i in range(header["opt_leaves"])]
+        self._opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
+        self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
+        self.version = self.restored_version = int(header["version"])
+        self._taken = set(arrays["taken"].tolist())
+        self.log = [UpdateRecord(*map(int, r)) for r in arrays["log"]]
+
+    @classmethod
+    def restore(cls, directory: str, index: int, *,
+                optimizer: optax.GradientTransformation | None = None,
+                config: ServerConfig | None = None) -> ParameterServer | None:
+        """Rebuilds server ``index`` from its checkpoint in ``directory`` (None if there is none).
+
+        The optimizer comes from the checkpoint when it was an :class:`OptimizerSpec`, else from
+        ``optimizer``; the config from the checkpoint unless ``config`` is given.
+
+        Raises:
+          ValueError: the file is not a jaxdist parameter-server checkpoint of shard ``index``,
+            or it needs an ``optimizer`` argument.
+        """
+        path = cls.checkpoint_path(directory, index)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            header, arrays = wire.decode(f.read())
+        if header.get("format") != _CKPT_FORMAT or header.get("index") != index:
+            raise ValueError(f"{path} is not a checkpoint of ps{index} "
+                             f"(format {header.get('format')!r}, index {header.get('index')!r})")
+        if header["optimizer"] is not None:
+            opt: Any = OptimizerSpec.from_dict(header["optimizer"])
+        elif optimizer is not None:
+            opt = optimizer
+        else:
+            raise ValueError(f"{path} was written with a plain optax transformation; pass "
+                             "optimizer= to restore it, or use jaxdist.ps.optimizer(...)")
+        config = config or ServerConfig(**header["config"])
+        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
+        server = cls(index, params, opt, config, _state={"header": header, "arrays": arrays})
+        logger.warning("ps%d restored from %s at version %d", index, path, server.version)
+        return server

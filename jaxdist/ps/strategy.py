@@ -1,0 +1,281 @@
+"""``ParameterServerStrategy``: parameters sharded over servers, gradients pushed by workers.
+
+One API, two deployments:
+
+* in-process: ``ParameterServerStrategy(LocalCluster(num_ps=2, num_workers=3))`` runs servers
+  and workers as threads of this process (one machine, fast tests);
+* multi-process: ``ParameterServerStrategy(cluster)`` with any object carrying ``ps`` and
+  ``worker`` address lists (or ``None`` to read ``TF_CONFIG``). Every process runs the same
+  script; :meth:`ParameterServerStrategy.start` returns the coordinator on the chief and serves
+  (then exits the process) on ``ps`` and ``worker`` tasks, like TF's ``server.join()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import optax
+
+from jaxdist.ps import placement as placement_lib
+from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
+from jaxdist.ps.optim import OptimizerSpec
+from jaxdist.ps.server import ParameterServer, ServerConfig
+from jaxdist.ps.transport import (GrpcClient, LocalClient, PS_SERVICE, PSService, Unavailable,
+                                  serve_until_stopped)
+from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
+                               strategy_grad_fn)
+
+__all__ = ["ParameterServerStrategy", "LocalCluster", "RemoteCluster", "cluster_from_tf_config"]
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("coordinator", "ps", "worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCluster:
+    """Servers and workers as threads of this process."""
+
+    num_ps: int
+    num_workers: int
+
+    def __post_init__(self):
+        if self.num_ps < 1 or self.num_workers < 1:
+            raise ValueError(f"need >= 1 server and worker, got num_ps={self.num_ps}, "
+                             f"num_workers={self.num_workers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteCluster:
+    """Addresses of the job's processes and which task this process is.
+
+    Attributes:
+      ps: ``host:port`` of each parameter server.
+      worker: ``host:port`` of each worker.
+      task_type: ``"coordinator"`` (TF's ``chief``), ``"ps"`` or ``"worker"``.
+      task_index: index within ``task_type``.
+    """
+
+    ps: tuple[str, ...]
+    worker: tuple[str, ...]
+    task_type: str = "coordinator"
+    task_index: int = 0
+
+    def __post_init__(self):
+        if not self.ps or not self.worker:
+            raise ValueError(f"a parameter-server cluster needs ps and worker addresses, got "
+                             f"ps={list(self.ps)} worker={list(self.worker)}")
+        if self.task_type not in ROLES:
+            raise ValueError(f"task_type {self.task_type!r} is not one of {ROLES}")
+        n = {"ps": len(self.ps), "worker": len(self.worker), "coordinator": 1}[self.task_type]
+        if not 0 <= self.task_index < n:
+            raise ValueError(f"task_index {self.task_index} out of range for {n} "
+                             f"{self.task_type} task(s)")
+
+
+def cluster_from_tf_config(tf_config: str | dict | None = None) -> RemoteCluster:
+    """Reads ``cluster.ps``, ``cluster.worker`` and ``task`` from ``TF_CONFIG`` (or the argument).
+
+    TF's ``chief`` (and ``evaluator``-less ``coordinator``) task type maps to ``"coordinator"``.
+
+    Raises:
+      ValueError: TF_CONFIG is missing or lacks ps / worker entries.
+
+    >>> c = cluster_from_tf_config({"cluster": {"ps": ["127.0.0.1:1"], "worker": ["h:2"]},
+    ...                             "task": {"type": "worker", "index": 0}})
+    >>> c.worker, c.task_type
+    (('h:2',), 'worker')
+    """
+    if tf_config is None:
+        tf_config = os.environ.get("TF_CONFIG")
+        if not tf_config:
+            raise ValueError("no cluster given and TF_CONFIG is not set; pass a cluster with "
+                             "ps/worker addresses or LocalCluster(num_ps=..., num_workers=...)")
+    cfg = json.loads(tf_config) if isinstance(tf_config, str) else tf_config
+    cluster, task = cfg.get("cluster", {}), cfg.get("task", {"type": "chief", "index": 0})
+    task_type = {"chief": "coordinator", "master": "coordinator"}.get(task.get("type"),
+                                                                      task.get("type"))
+    return RemoteCluster(tuple(cluster.get("ps", ())), tuple(cluster.get("worker", ())),
+                         task_type, int(task.get("index", 0)))
+
+
+class ParameterServerStrategy:
+    """Parameters live sharded on parameter servers; workers push gradients asynchronously.
+
+    Args:
+      cluster: :class:`LocalCluster`, any object with ``ps`` and ``worker`` address lists (and
+        optionally ``task_type`` / ``task_index``), or None to read ``TF_CONFIG``.
+      placement: ``"greedy"`` or ``"round_robin"`` (see :func:`jaxdist.ps.placement.plan`).
+      staleness: bound on how many versions old a pushed gradient may be (None: unbounded).
+      sync_replicas: average this many pushes per update (synchronous mode).
+      max_shard_bytes, num_partitions: partition large leaves along their first axis.
+      token: shared secret checked on every RPC (default: ``JAXDIST_PS_TOKEN`` if set).
+      checkpoint_dir, checkpoint_every: server checkpoints (every N applied updates).
+      max_push_bytes: largest gradient push a server accepts.
+      heartbeat_s, dead_after_s: worker liveness checks.
+      retry_timeout_s: how long workers retry a server that is down.
+      worker_strategy: a local jaxdist strategy (e.g. ``MirroredStrategy()``) whose compiled
+        step computes each worker's gradients on the worker's devices; default: ``jax.jit``.
+
+    >>> s = ParameterServerStrategy(LocalCluster(num_ps=2, num_workers=3))
+    >>> s.num_replicas_in_sync, s.mesh
+    (3, None)
+    """
+
+    def __init__(self, cluster: Any = None, *, placement: str = "greedy",
+                 staleness: int | None = None, sync_replicas: int | None = None,
+                 max_shard_bytes: int | None = None, num_partitions: int | None = None,
+                 token: str | None = None, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 100, max_push_bytes: int = 512 << 20,
+                 heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
+                 retry_timeout_s: float = 60.0, worker_strategy: Any = None):
+        if cluster is None:
+            cluster = cluster_from_tf_config()
+        self.cluster = cluster
+        self.placement_method = placement
+        self.max_shard_bytes, self.num_partitions = max_shard_bytes, num_partitions
+        self.token = token if token is not None else os.environ.get("JAXDIST_PS_TOKEN")
+        self.config = ServerConfig(staleness=staleness, sync_replicas=sync_replicas,
+                                   max_push_bytes=max_push_bytes, checkpoint_dir=checkpoint_dir,
+                                   checkpoint_every=checkpoint_every)
+        self._liveness = dict(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
+        self.retry_timeout_s = retry_timeout_s
+        self.worker_strategy = worker_strategy
+        self.placement: placement_lib.Placement | None = None
+        if isinstance(cluster, LocalCluster):
+            self.num_ps, self.num_workers = cluster.num_ps, cluster.num_workers
+            self.role, self.task_index = "coordinator", 0
+        else:
+            self.num_ps, self.num_workers = len(cluster.ps), len(cluster.worker)
+            self.role = getattr(cluster, "task_type", "coordinator")
+            self.task_index = getattr(cluster, "task_index", 0)
+        if placement not in placement_lib.METHODS:
+            raise ValueError(f"placement={placement!r} is unknown; expected one of "
+                             f"{placement_lib.METHODS}")
+
+    mesh = None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers
+
+    def placement_report(self) -> str:
+        """Which leaf lives on which server, and each server's load (after :meth:`start`)."""
+        if self.placement is None:
+            raise RuntimeError("no placement yet: call strategy.start(params, ...) first")
+        return self.placement.report()
+
+    def _plan(self, params: Any) -> tuple[placement_lib.Placement, Any]:
+        self.placement = placement_lib.plan(
+            params, self.num_ps, method=self.placement_method,
+            max_shard_bytes=self.max_shard_bytes, num_partitions=self.num_partitions)
+        return self.placement, placement_lib.flatten(params)[1]
+
+    def start(self, params: Any, optimizer: OptimizerSpec | optax.GradientTransformation,
+              loss_fn=None, *, grad_fn: GradFn | None = None) -> ClusterCoordinator:
+        """Creates the servers and workers and returns the coordinator.
+
+        Args:
+          params: initial parameter tree (every process must build the same structure).
+          optimizer: :func:`jaxdist.ps.optimizer` spec (required across processes) or, in
+            process, any optax transformation.
+          loss_fn: ``loss_fn(params, batch) -> scalar``; workers compute
+            ``jax.jit(jax.value_and_grad(loss_fn))``.
+          grad_fn: instead of ``loss_fn``, ``(params, batch) -> (loss, grads)`` (e.g. a local
+            strategy's compiled step).
+
+        Returns:
+          A :class:`ClusterCoordinator` on the coordinator. On ``ps`` and ``worker`` tasks this
+          serves until the coordinator shuts the job down, then exits the process.
+
+        Raises:
+          ValueError: neither or both of ``loss_fn`` and ``grad_fn``.
+          TypeError: a plain optax transformation for servers in other processes.
+
+        >>> import numpy as np, optax
+        >>> s = ParameterServerStrategy(LocalCluster(num_ps=1, num_workers=2))
+        >>> loss = lambda p, b: ((p["w"] * b) ** 2).sum()
+        >>> with s.start({"w": np.ones(3, np.float32)}, optax.sgd(0.1), loss) as coord:
+        ...     v = coord.schedule(lambda worker, b: worker.step(b), args=(np.ones(3),))
+        ...     coord.join()
+        ...     print(v.fetch(), coord.fetch_params()["w"].tolist())
+        3.0 [0.800000011920929, 0.800000011920929, 0.800000011920929]
+        """
+        if (loss_fn is None) == (grad_fn is None):
+            raise ValueError("pass exactly one of loss_fn= and grad_fn=")
+        if grad_fn is None:
+            grad_fn = (jax.jit(jax.value_and_grad(loss_fn)) if self.worker_strategy is None
+                       else strategy_grad_fn(self.worker_strategy, loss_fn))
+        placement, treedef = self._plan(params)
+        shards = placement.split(placement_lib.flatten(params)[0])
+        if isinstance(self.cluster, LocalCluster):
+            return self._start_local(shards, optimizer, placement, treedef, grad_fn)
+        if not isinstance(optimizer, OptimizerSpec):
+            raise TypeError("servers in other processes rebuild the optimizer by name: pass "
+                            "jaxdist.ps.optimizer('adam', learning_rate=...) instead of an "
+                            f"optax transformation (got {type(optimizer).__name__})")
+        if self.role == "ps":
+            self._serve(PSService(self.task_index, checkpoint_dir=self.config.checkpoint_dir),
+                        self.cluster.ps[self.task_index], PS_SERVICE)
+        clients = [GrpcClient(a, token=self.token) for a in self.cluster.ps]
+        if self.role == "worker":
+            runtime = WorkerRuntime(self.task_index, clients, placement, treedef, grad_fn,
+                                    retry_timeout_s=self.retry_timeout_s)
+            self._serve(WorkerService(runtime), self.cluster.worker[self.task_index],
+                        WORKER_SERVICE)
+        return self._start_coordinator(clients, shards, optimizer, placement, treedef)
+
+    def _start_local(self, shards, optimizer, placement, treedef, grad_fn):
+        servers = [ParameterServer(i, shard, optimizer, self.config)
+                   for i, shard in enumerate(shards)]
+        clients = [LocalClient(s) for s in servers]
+        workers = [LocalWorker(WorkerRuntime(i, clients, placement, treedef, grad_fn,
+                                             retry_timeout_s=self.retry_timeout_s))
+                   for i in range(self.num_workers)]
+        return ClusterCoordinator(workers, servers=clients, placement=placement,
+                                  treedef=treedef, **self._liveness)
+
+    def _serve(self, service, address: str, name: str):
+        logger.info("%s %d serving on %s", self.role, self.task_index, address)
+        serve_until_stopped(service, address, name, token=self.token)
+        sys.exit(0)
+
+    def _start_coordinator(self, clients, shards, optimizer, placement, treedef):
+        deadline = time.monotonic() + self.retry_timeout_s
+        for i, (client, shard) in enumerate(zip(clients, shards)):
+            while True:
+                try:
+                    client.init(i, shard, optimizer, self.config)
+                    break
+                except Unavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        workers = [GrpcWorker(i, a, token=self.token) for i, a in enumerate(self.cluster.worker)]
+        for w in workers:
+            while True:
+                try:
+                    w.ping(timeout=2.0)
+                    break
+                except ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+        def stop_servers():
+            for c in clients:
+                try:
+                    c.shutdown()
+                except Exception as e:  # a server already gone is fine at shutdown
+                    logger.debug("ps shutdown: %s", e)
+                c.close()
+        return ClusterCoordinator(workers, servers=clients, placement=placement,
+                                  treedef=treedef, on_shutdown=stop_servers, **self._liveness)
+
