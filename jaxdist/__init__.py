@@ -10,6 +10,7 @@ from jaxdist import checkpoint as checkpoint
 from jaxdist import cluster as cluster
 from jaxdist import datasets as datasets
 from jaxdist import models as models
+from jaxdist import ps as ps
 from jaxdist.cluster import ClusterSpec as ClusterSpec
 from jaxdist.cluster import barrier as barrier
 from jaxdist.cluster import initialize as initialize
@@ -19,6 +20,7 @@ from jaxdist.fit import fit as fit
 from jaxdist.input import Batch as Batch
 from jaxdist.input import DistributedDataset as DistributedDataset
 from jaxdist.loss import compute_average_loss as compute_average_loss
+from jaxdist.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
 from jaxdist.replica import ReduceOp as ReduceOp
 from jaxdist.replica import all_reduce as all_reduce
 from jaxdist.replica import num_replicas as num_replicas
@@ -37,8 +39,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "Strategy",
+    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "Strategy",
     "TPUStrategy", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
-    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas",
+    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "ps",
     "replica_id",
 ]

@@ -163,6 +163,11 @@ class ParameterServerStrategy:
     mesh = None
 
     @property
+    def mesh(self) -> None:
+        """None: parameters live on server processes, not on a device mesh (API.md)."""
+        return None
+
+    @property
     def num_replicas_in_sync(self) -> int:
         return self.num_workers
 
