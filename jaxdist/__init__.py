@@ -12,8 +12,6 @@ from jaxdist import datasets as datasets
 from jaxdist import models as models
 from jaxdist import ps as ps
 from jaxdist.cluster import ClusterSpec as ClusterSpec
-from jaxdist.cluster import barrier as barrier
-from jaxdist.cluster import initialize as initialize
 from jaxdist.fit import History as History
 from jaxdist.fit import evaluate as evaluate
 from jaxdist.fit import fit as fit
@@ -25,6 +23,8 @@ from jaxdist.replica import ReduceOp as ReduceOp
 from jaxdist.replica import all_reduce as all_reduce
 from jaxdist.replica import num_replicas as num_replicas
 from jaxdist.replica import replica_id as replica_id
+from jaxdist.runtime import barrier as barrier
+from jaxdist.runtime import initialize as initialize
 from jaxdist.strategy import CentralStorageStrategy as CentralStorageStrategy
 from jaxdist.strategy import DefaultStrategy as DefaultStrategy
 from jaxdist.strategy import MirroredStrategy as MirroredStrategy

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from jaxdist import cluster, launch
+import jaxdist
+from jaxdist import cluster, launch, runtime
 from jaxdist.cluster import ClusterSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def _env():
 @pytest.fixture
 def fresh_state(monkeypatch):
     """Each test starts with no joined job and leaves none behind."""
-    monkeypatch.setattr(cluster, "_current", None)
+    monkeypatch.setattr(runtime, "_current", None)
     for name in ("TF_CONFIG", "JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES",
                  "JAXDIST_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -166,22 +167,34 @@ def test_explicit_spec_is_a_value():
 
 
 def test_initialize_without_runtime_is_idempotent_and_rejects_conflicts(fresh_state):
-    single = cluster.initialize(ClusterSpec.single_process())
-    assert cluster.initialize() is single and cluster.current_cluster() is single
-    assert cluster.initialize(ClusterSpec("127.0.0.1:5", 1, 0)) is single
+    single = runtime.initialize(ClusterSpec.single_process())
+    assert runtime.initialize() is single and runtime.current_cluster() is single
+    assert runtime.initialize(ClusterSpec("127.0.0.1:5", 1, 0)) is single
     with pytest.raises(RuntimeError, match="already joined.*cannot also join the job at "
                                            "127.0.0.1:1234 as process 0 of 2"):
-        cluster.initialize(ClusterSpec("127.0.0.1:1234", 2, 0))
-    cluster.barrier("one-process-shortcut", timeout_s=0.01)
+        runtime.initialize(ClusterSpec("127.0.0.1:1234", 2, 0))
+    runtime.barrier("one-process-shortcut", timeout_s=0.01)
     with pytest.raises(ValueError, match="name = 'a/b'"):
-        cluster.barrier("a/b")
+        runtime.barrier("a/b")
 
 
 def test_initialize_evaluator_does_not_join(fresh_state):
     spec = ClusterSpec.from_tf_config({"cluster": {"worker": ["127.0.0.1:1"],
                                                    "evaluator": ["127.0.0.1:2"]},
                                        "task": {"type": "evaluator", "index": 0}})
-    assert cluster.initialize(spec, timeout_s=0.1) is spec
+    assert runtime.initialize(spec, timeout_s=0.1) is spec
+
+
+def test_runtime_names_stay_reachable_where_users_found_them():
+    # They moved from jaxdist.cluster to jaxdist.runtime; cluster re-exports them lazily.
+    for name in cluster._RUNTIME_NAMES:
+        assert getattr(cluster, name) is getattr(runtime, name), name
+        assert name in dir(cluster)
+    from jaxdist.cluster import BarrierTimeoutError, initialize
+    assert (initialize, BarrierTimeoutError) == (runtime.initialize, runtime.BarrierTimeoutError)
+    assert (jaxdist.initialize, jaxdist.barrier) == (runtime.initialize, runtime.barrier)
+    with pytest.raises(AttributeError, match="jaxdist.cluster.*no_such_name"):
+        cluster.no_such_name  # noqa: B018
 
 
 @pytest.mark.multiprocess
