@@ -63,6 +63,9 @@ class Callback:
 
     def on_train_end(self, info: TrainInfo) -> None: ...
 
+    def close(self) -> None:
+        """Releases resources; ``fit`` calls it last, also when training raised."""
+
 
 class ProgressBar(Callback):
     """A tqdm bar per epoch showing the running metrics and examples per second (process 0 only)."""
@@ -97,6 +100,10 @@ class ProgressBar(Callback):
     def on_epoch_end(self, info: TrainInfo) -> None:
         if self._bar is not None:
             self._bar.set_postfix(self._postfix(info))
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
             self._bar.close()
             self._bar = None
 
@@ -170,11 +177,13 @@ class ModelCheckpoint(Callback):
         self._at_epoch_end = save_at_epoch_end
         self._last_saved: int | None = self.manager.latest_step()
 
-    def _save(self, info: TrainInfo) -> None:
+    def _save(self, info: TrainInfo, *, epoch_done: bool = False) -> None:
         if info.step == self._last_saved:
             return
-        self.manager.save(info.step, info.state, data_iterator=info.iterator,
-                          metadata={"logs": info.logs})
+        # After an epoch ends, the next batch to train on is the first of the next epoch.
+        data = ({"epoch": info.epoch + 1, "position": 0} if epoch_done
+                else info.iterator.state() if info.iterator is not None else None)
+        self.manager.save(info.step, info.state, data_state=data, metadata={"logs": info.logs})
         self._last_saved = info.step
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
@@ -183,7 +192,7 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, info: TrainInfo) -> None:
         if self._at_epoch_end:
-            self._save(info)
+            self._save(info, epoch_done=True)
 
     def on_train_end(self, info: TrainInfo) -> None:
         self.manager.wait_until_finished()
@@ -236,8 +245,10 @@ class BackupAndRestore(ModelCheckpoint):
 
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)
-        self._notice.uninstall()
         if self._delete and jax.process_index() == 0:
             import shutil
 
             shutil.rmtree(self.manager.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        self._notice.uninstall()

@@ -32,16 +32,28 @@ class CheckpointError(RuntimeError):
 
 
 def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
-    """Shapes, dtypes and the shardings to restore into (the target strategy's, if given)."""
+    """Shapes, dtypes and the shardings to restore into (the target strategy's, if given).
+
+    Without a strategy each leaf keeps the sharding it has (a ``jax.Array`` or a
+    ``ShapeDtypeStruct`` with one), else goes to this process's first device.
+    """
     if strategy is not None:
         shardings = strategy._state_shardings(target)
     else:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(
-            lambda x: x.sharding if isinstance(x, jax.Array) else default, target)
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=s),
-        target, shardings)
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+        def own(x):
+            s = getattr(x, "sharding", None)
+            return s if isinstance(s, jax.sharding.Sharding) else local
+
+        shardings = jax.tree.map(own, target)
+
+    def abstract(x, s):
+        shape = x.shape if hasattr(x, "shape") else np.shape(x)
+        dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+
+    return jax.tree.map(abstract, target, shardings)
 
 
 class CheckpointManager:
@@ -71,19 +83,23 @@ class CheckpointManager:
                                                  enable_async_checkpointing=async_save))
 
     def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
-             metadata: dict | None = None, force: bool = True) -> bool:
+             data_state: dict | None = None, metadata: dict | None = None,
+             force: bool = True) -> bool:
         """Writes ``state`` (and the iterator position) as checkpoint ``step``; all processes call it.
 
         Args:
           step: the step number (the checkpoint's name).
           state: a pytree of arrays, laid out however the running strategy placed it.
           data_iterator: a ``DistributedIterator`` (or anything with ``state() -> dict``).
+          data_state: the input position as a dict, instead of ``data_iterator``.
           metadata: small JSON-serialisable extras.
 
         Returns:
           Whether a save was started.
         """
-        meta = {"step": int(step), "data": data_iterator.state() if data_iterator is not None else None,
+        if data_state is None and data_iterator is not None:
+            data_state = data_iterator.state()
+        meta = {"step": int(step), "data": data_state,
                 "user": metadata or {}}
         return self._mgr.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
@@ -128,9 +144,10 @@ class CheckpointManager:
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
             others = [s for s in self.all_steps() if s != step]
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be restored "
-                f"({type(e).__name__}: {str(e)[:500]}); it is corrupt or does not match the target "
-                f"state's structure. Other steps you can restore: {others or 'none'}") from e
+                f"checkpoint step {step} in {self.directory} cannot be restored: "
+                f"{type(e).__name__}: {str(e)[:500]}. Check that `target` has the saved state's "
+                f"structure, shapes and dtypes; if this step's files are damaged, restore another "
+                f"one (steps you can restore: {others or 'none'})") from e
         return out["state"]
 
     def metadata(self, step: int | None = None) -> dict:

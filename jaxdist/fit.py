@@ -131,12 +131,15 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
     step = _as_step(eval_step, strategy, donate=False)
     dataset = _as_dataset(data, strategy, batch_size, False, 0, "evaluate data")
     meter = _Meter(max_in_flight)
-    it = iter(dataset)
-    for k, batch in enumerate(it):
-        if steps is not None and k >= steps:
-            it.close()
-            break
-        meter.push(step(state, batch), it.last_num_real)
+    with iter(dataset) as it:
+        for k, batch in enumerate(it):
+            if steps is not None and k >= steps:
+                break
+            metrics = step(state, batch)
+            if k == 0 and not jax.tree.leaves(metrics):
+                raise ValueError("eval_step returned no metrics; it must return a pytree of scalars "
+                                 "such as {'loss': ..., 'accuracy': ...}")
+            meter.push(metrics, it.last_num_real)
     return meter.drain()
 
 
@@ -187,48 +190,56 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
                      global_batch_size=dataset.global_batch_size, strategy=strategy)
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
-    for cb in cbs:
-        cb.on_train_begin(info)
-    # A callback may have restored a backup: carry on from its epoch and batch.
-    start_epoch, start_position = info.epoch, info.position
-    for epoch in range(start_epoch, epochs):
-        position = start_position if epoch == start_epoch else 0
-        info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
+    try:
         for cb in cbs:
-            cb.on_epoch_begin(info)
-        meter = _Meter(max_in_flight)
-        it = info.iterator = dataset.iterator(epoch=epoch, position=position)
-        checked = False
-        for batch in it:
-            info.state, metrics = step(info.state, batch)
-            if not checked:
-                _check_scalars(_flatten_metrics(metrics))
-                checked = True
-            meter.push(metrics, it.last_num_real)
-            info.step += 1
-            info.epoch_steps += 1
-            info.position = it.position
-            info.logs = meter.result()
+            cb.on_train_begin(info)
+        # A callback may have restored a backup: carry on from its epoch and batch. A backup taken
+        # after an epoch's last step resumes at the next epoch, not with one step too many.
+        start_epoch, start_position = info.epoch, info.position
+        if planned is not None and start_position >= planned:
+            start_epoch, start_position = start_epoch + 1, 0
+        for epoch in range(start_epoch, epochs):
+            position = start_position if epoch == start_epoch else 0
+            info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
             for cb in cbs:
-                cb.on_train_batch_end(info)
-            if info.stop_training or (steps_per_epoch is not None
-                                      and info.epoch_steps >= steps_per_epoch):
-                it.close()
+                cb.on_epoch_begin(info)
+            meter = _Meter(max_in_flight)
+            with dataset.iterator(epoch=epoch, position=position) as it:
+                info.iterator = it
+                for batch in it:
+                    info.state, metrics = step(info.state, batch)
+                    if info.epoch_steps == position:
+                        _check_scalars(_flatten_metrics(metrics))
+                    meter.push(metrics, it.last_num_real)
+                    info.step += 1
+                    info.epoch_steps += 1
+                    info.position = it.position
+                    if not jax.tree.leaves(metrics) and info.epoch_steps % max_in_flight == 0:
+                        # Nothing to read back, so nothing else would bound the run-ahead.
+                        jax.block_until_ready(info.state)
+                    info.logs = meter.result()
+                    for cb in cbs:
+                        cb.on_train_batch_end(info)
+                    if info.stop_training or (steps_per_epoch is not None
+                                              and info.epoch_steps >= steps_per_epoch):
+                        break
+            info.logs = meter.drain()
+            if eval_step is not None and eval_data is not None:
+                val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)
+                info.logs.update({f"val_{k}": v for k, v in val.items()})
+            for k, v in info.logs.items():
+                history[k].append(v)
+            done_epochs.append(epoch)
+            for cb in cbs:
+                cb.on_epoch_end(info)
+            if jax.process_index() == 0 and verbose:
+                logger.info("epoch %d: %s", epoch + 1,
+                            ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
+            if info.stop_training:
                 break
-        info.logs = meter.drain()
-        if eval_step is not None and eval_data is not None:
-            val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)
-            info.logs.update({f"val_{k}": v for k, v in val.items()})
-        for k, v in info.logs.items():
-            history[k].append(v)
-        done_epochs.append(epoch)
         for cb in cbs:
-            cb.on_epoch_end(info)
-        if jax.process_index() == 0 and verbose:
-            logger.info("epoch %d: %s", epoch + 1,
-                        ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
-        if info.stop_training:
-            break
-    for cb in cbs:
-        cb.on_train_end(info)
+            cb.on_train_end(info)
+    finally:
+        for cb in cbs:  # also when a step or a callback raised: signal handlers, open files
+            cb.close()
     return History(dict(history), info.state, done_epochs)

@@ -103,7 +103,7 @@ class DistributedDataset:
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self._prefetch = prefetch
         self._epoch = 0
-        if isinstance(data, (tuple, dict, np.ndarray)):
+        if isinstance(data, (tuple, dict, np.ndarray, jax.Array)):
             self._num_examples = check_batch_leaves(data, n, what="dataset")
             self._arrays = jax.tree.map(np.asarray, data)
             self._iterable = None
@@ -161,9 +161,8 @@ class DistributedDataset:
                 yield self._pad(idx, rows, lambda i: jax.tree.map(lambda a: a[i], self._arrays))
             return
         source = self._iterable() if callable(self._iterable) else self._iterable
+        emitted = 0  # position counts batches handed out, which skips dropped partial ones
         for k, item in enumerate(source):
-            if k < position:
-                continue
             b = check_batch_leaves(item, 1, what=f"batch {k} of the dataset")
             if b > gb:
                 raise ValueError(
@@ -171,6 +170,9 @@ class DistributedDataset:
                     "iterable must yield global batches of at most that size (to distribute an "
                     "in-memory dataset pass a tuple (x, y), not a list)")
             if b < gb and self.drop_remainder:
+                continue
+            emitted += 1
+            if emitted <= position:
                 continue
             yield self._pad(np.arange(b), rows,
                             lambda i, item=item: jax.tree.map(lambda a: np.asarray(a)[i], item))
@@ -194,50 +196,83 @@ class DistributedDataset:
 _DONE = object()
 
 
+class _Producer:
+    """The prefetch thread's side. It holds no reference to the iterator, so an iterator that is
+    dropped is garbage-collected, and its ``__del__`` stops the thread."""
+
+    def __init__(self, batches: Iterator, to_device: Callable, capacity: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self.stop = threading.Event()
+        self._batches, self._to_device = batches, to_device
+        self.thread = threading.Thread(target=self._run, name="jaxdist-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self):
+        try:
+            for host in self._batches:
+                if not self._put(self._to_device(host)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._put(e)
+        finally:
+            self._batches = self._to_device = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        while True:  # drop prepared batches so their device buffers are freed
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
 class DistributedIterator:
     """An epoch of ``Batch`` values, prepared ``prefetch`` batches ahead on a background thread.
 
     ``state()`` is ``{"epoch": e, "position": k}`` (batches handed out so far), enough to resume
     at exactly the next batch via ``dataset.iterator(**state)``. ``last_num_real`` is the number of
-    real (unpadded) examples in the batch most recently returned.
+    real (unpadded) examples in the batch most recently returned. ``close()`` (or leaving a
+    ``with`` block, or dropping the iterator) stops the background thread.
     """
 
     def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
-        self._dataset, self.epoch, self.position = dataset, epoch, position
+        self.epoch, self.position = epoch, position
         self.last_num_real = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=dataset._prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="jaxdist-prefetch", daemon=True)
-        self._thread.start()
-
-    def _produce(self):
-        try:
-            for host in self._dataset._host_batches(self.epoch, self.position):
-                item = self._dataset._to_device(host)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._queue.put(_DONE)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            self._queue.put(e)
+        self._producer = _Producer(dataset._host_batches(epoch, position), dataset._to_device,
+                                   dataset._prefetch)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
-        if self._stop.is_set():
-            raise StopIteration
-        item = self._queue.get()
+        producer = self._producer
+        while True:
+            if producer.stop.is_set():
+                raise StopIteration
+            try:
+                item = producer.queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not producer.thread.is_alive() and producer.queue.empty():
+                    producer.stop.set()
+                    raise StopIteration from None
         if item is _DONE:
-            self._stop.set()
+            self.close()
             raise StopIteration
         if isinstance(item, BaseException):
-            self._stop.set()
+            self.close()
             raise item
         batch, self.last_num_real = item
         self.position += 1
@@ -246,8 +281,16 @@ class DistributedIterator:
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 
-    def close(self):
-        self._stop.set()
+    def close(self) -> None:
+        self._producer.shutdown()
+
+    def __enter__(self) -> "DistributedIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __del__(self):
-        self._stop.set()
+        producer = getattr(self, "_producer", None)
+        if producer is not None:
+            producer.stop.set()

@@ -56,12 +56,12 @@ def test_missing_and_corrupt_checkpoints_leave_older_ones_usable(tmp_path):
             if not f.startswith("_") and "metadata" not in f:
                 with open(os.path.join(root, f), "r+b") as fh:
                     fh.truncate(3)
-    with pytest.raises(CheckpointError, match=r"step 2 .* cannot be restored.*Other steps you can "
+    with pytest.raises(CheckpointError, match=r"step 2 .* cannot be restored.*steps you can "
                                               r"restore: \[1\]"):
         mgr.restore(target=_state())
     _assert_trees_equal(mgr.restore(1, target=_state()), first)
     # A target of the wrong structure is reported the same way.
-    with pytest.raises(CheckpointError, match="does not match the target"):
+    with pytest.raises(CheckpointError, match=r"Check that `target` has the saved state's structure"):
         mgr.restore(1, target={"w": np.zeros(3)})
 
 
@@ -120,3 +120,36 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
     for k in a.files:
         if k != "restored":
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_restore_without_a_strategy_keeps_the_target_layout(tmp_path):
+    saved = jaxdist.MirroredStrategy(jax.devices()[:2]).put(_state(seed=4))
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, saved)
+        on_device_3 = jax.device_put(_state(), jax.devices()[3])
+        restored = mgr.restore(target=on_device_3)
+        assert jax.tree.leaves(restored)[0].devices() == {jax.devices()[3]}
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+                                _state())
+        _assert_trees_equal(mgr.restore(target=abstract), saved)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [None, 2])
+def test_resume_at_an_epoch_boundary_is_exact(tmp_path, steps_per_epoch):
+    """A backup written as an epoch ends resumes at the next epoch: no step replayed or added."""
+    x, y = jaxdist.datasets.synthetic(40, shape=(6,))
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(epochs, backup):
+        cbs = [jaxdist.callbacks.BackupAndRestore(str(backup))] if backup else []
+        return jaxdist.fit(s.step(models.classifier_train_step), _state(), s.distribute(
+            (x, y), 10, shuffle=True), epochs=epochs, steps_per_epoch=steps_per_epoch,
+            callbacks=cbs, verbose=0)
+
+    whole = run(3, None)
+    run(1, tmp_path / "b")           # "killed" right after epoch 0's backup
+    resumed = run(3, tmp_path / "b")
+    assert resumed.epochs == [1, 2]
+    assert int(resumed.state.step) == int(whole.state.step) == 3 * (steps_per_epoch or 4)
+    _assert_trees_equal(resumed.state.params, whole.state.params)
+    assert resumed.history["loss"] == whole.history["loss"][1:]

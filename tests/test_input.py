@@ -151,3 +151,57 @@ def test_raw_batch_that_does_not_divide_over_replicas():
     step = s.step(lambda w, b: (w, {"m": jnp.mean(b)}))
     with pytest.raises(ValueError, match=r"batch has 12 examples, which does not divide over 8"):
         step(jnp.zeros(()), np.zeros(12, np.float32))
+
+
+def _prefetch_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "jaxdist-prefetch" and t.is_alive()]
+
+
+def test_abandoned_closed_and_failed_iterators_stop_their_threads():
+    import gc
+    import time
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    dist = s.distribute((np.arange(40),), 4, prefetch=2)
+    for _ in range(5):  # abandoned mid-epoch, queue full
+        next(iter(dist))
+    it = iter(dist)
+    next(it)
+    it.close()
+
+    def broken():
+        yield (np.arange(4),)
+        raise OSError("boom")
+
+    failing = iter(s.distribute(broken, 4))
+    next(failing)
+    with pytest.raises(OSError):
+        next(failing)
+    with iter(dist) as it2:
+        next(it2)
+    del it, it2, failing
+    deadline = time.time() + 10
+    while _prefetch_threads() and time.time() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert _prefetch_threads() == []
+
+
+def test_resume_of_an_iterable_with_dropped_partial_batches():
+    s = jaxdist.OneDeviceStrategy()
+    batches = [(np.arange(0, 4),), (np.arange(4, 6),), (np.arange(6, 10),), (np.arange(10, 14),)]
+    dist = s.distribute(batches, 4, drop_remainder=True)
+    it = dist.iterator()
+    assert np.asarray(next(it).data[0]).tolist() == [0, 1, 2, 3]
+    assert np.asarray(next(it).data[0]).tolist() == [6, 7, 8, 9]
+    rest = [np.asarray(b.data[0]).tolist() for b in dist.iterator(**it.state())]
+    assert rest == [[10, 11, 12, 13]]
+
+
+def test_a_bare_jax_array_is_an_in_memory_dataset():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    dist = s.distribute(jnp.arange(32.0).reshape(16, 2), 8)
+    assert len(dist) == 2
+    assert [b.data.shape for b in dist] == [(8, 2), (8, 2)]

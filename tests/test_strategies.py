@@ -99,3 +99,13 @@ def test_state_is_donated_but_an_eval_step_does_not_consume_it():
     keep = s.step(_sgd, donate=False)
     keep(new_w, np.ones(2, np.float32))
     assert not new_w.is_deleted()
+
+
+@pytest.mark.parametrize("make", [jaxdist.DefaultStrategy, jaxdist.OneDeviceStrategy,
+                                  lambda: jaxdist.MirroredStrategy(jax.devices()[:2])])
+def test_a_step_never_deletes_the_callers_unplaced_state(make):
+    s = make()
+    w0 = jnp.ones(4)  # the user's own array, not placed by the strategy
+    w1, _ = s.step(_sgd)(w0, np.ones(2, np.float32))
+    assert not w0.is_deleted() and float(w0[0]) == 1.0
+    assert float(w1[0]) == pytest.approx(0.5)

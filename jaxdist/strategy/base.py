@@ -158,7 +158,8 @@ class MeshStrategy(Strategy):
     def put(self, tree: PyTree) -> PyTree:
         """Places every leaf of ``tree`` the strategy's way (a copy on each replica's device).
 
-        Leaves already placed that way are returned as they are (no copy).
+        Leaves already placed that way are returned as they are (no copy), and a train step then
+        donates them; any other leaf is copied, so the caller's own arrays stay valid.
 
         >>> import jax, jaxdist
         >>> s = jaxdist.OneDeviceStrategy(jax.devices()[0])
@@ -172,7 +173,7 @@ class MeshStrategy(Strategy):
         if all(isinstance(x, jax.Array) and x.sharding is t for x, t in zip(leaves, targets)):
             return tree
         return jax.tree.unflatten(treedef, [
-            x if isinstance(x, jax.Array) and x.sharding == t else jax.device_put(x, t)
+            x if isinstance(x, jax.Array) and x.sharding == t else _placed_copy(x, t)
             for x, t in zip(leaves, targets)])
 
     def _put_replicated(self, tree: PyTree) -> PyTree:
@@ -282,6 +283,18 @@ class MeshStrategy(Strategy):
             per_leaf.append([by_device[d][0] for d in self._local_devices])
         return tuple(jax.tree.unflatten(treedef, [col[r] for col in per_leaf])
                      for r in range(len(self._local_devices)))
+
+
+def _placed_copy(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` placed on ``sharding`` in buffers of its own.
+
+    The placed copy is donated by the next step, so it must not share a buffer with the caller's
+    array: ``device_put`` reuses the source buffer for the shard on the source's device even with
+    ``may_alias=False`` when it replicates (seen on jax 0.10.2), hence the explicit copy.
+    """
+    if isinstance(x, jax.Array):
+        x = jnp.array(x, copy=True)
+    return jax.device_put(x, sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

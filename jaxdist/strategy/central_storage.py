@@ -68,7 +68,7 @@ class CentralStorageStrategy(MeshStrategy):
                 False: NamedSharding(self.mesh, jax.P(), memory_kind=kind)}
 
     def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
-        shape = np.shape(leaf)
+        shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
         return self._central[bool(shape) and shape[0] % self.num_replicas_in_sync == 0]
 
     def _wrap_step(self, fn: Callable) -> Callable:
