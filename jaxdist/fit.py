@@ -227,11 +227,12 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
             if eval_step is not None and eval_data is not None:
                 val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)
                 info.logs.update({f"val_{k}": v for k, v in val.items()})
+            for cb in cbs:
+                cb.on_epoch_end(info)
+            # After the callbacks (as Keras's History): values they add, a learning rate say, stay.
             for k, v in info.logs.items():
                 history[k].append(v)
             done_epochs.append(epoch)
-            for cb in cbs:
-                cb.on_epoch_end(info)
             if jax.process_index() == 0 and verbose:
                 logger.info("epoch %d: %s", epoch + 1,
                             ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
