@@ -16,8 +16,10 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
     replicas, so summing the replicas' gradients (``jaxdist.all_reduce(grads, "sum")``) gives the
     gradient of the global mean, as ``tf.nn.compute_average_loss`` does.
 
-    Padded rows are excluded with ``where`` rather than multiplied by zero, so a NaN in a padded row
-    cannot leak into the result. Trailing axes (per-token losses, say) are averaged per example.
+    Padded rows are excluded with ``where`` rather than multiplied by zero, so a NaN in a padded
+    row cannot leak into the value (its gradient still would: ``distribute`` pads with copies of
+    real rows so that padded rows are as finite as real ones). Trailing axes (per-token losses,
+    say) are averaged per example.
 
     Args:
       per_example_loss: ``[batch, ...]`` losses.

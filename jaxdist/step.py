@@ -93,8 +93,8 @@ def _classify(strategy: "MeshStrategy", top: Any) -> str:
         return _PER_REPLICA
     if isinstance(top, Batch):
         return _SPLIT
-    if isinstance(top, jax.Array) and top.ndim and top.sharding == strategy._batch_sharding:
-        return _SPLIT
+    # Anything else is copied to every replica, as tf.distribute does with plain tensors: guessing
+    # from an array's sharding would split state that merely happens to be laid out on the batch axis.
     return _REPLICATED
 
 

@@ -248,5 +248,5 @@ def test_tensorboard_writes_only_on_process_0_and_validates_update_freq(tmp_path
     tb.on_train_begin(info)
     tb.on_train_batch_end(info)
     tb.on_epoch_end(info)
-    tb.on_train_end(info)
+    tb.close()
     assert not (tmp_path / "p1").exists()

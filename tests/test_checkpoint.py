@@ -63,6 +63,7 @@ def test_missing_and_corrupt_checkpoints_leave_older_ones_usable(tmp_path):
     # A target of the wrong structure is reported the same way.
     with pytest.raises(CheckpointError, match=r"Check that `target` has the saved state's structure"):
         mgr.restore(1, target={"w": np.zeros(3)})
+    mgr.close()
 
 
 def test_a_crash_midway_through_a_save_never_yields_a_valid_checkpoint(tmp_path):

@@ -104,3 +104,10 @@ def test_reduce_of_a_non_per_replica_value():
     assert s.local_results(5) == (5,)
     with pytest.raises(ValueError, match="unknown reduce op 'max'"):
         s.reduce("max", jnp.float32(3.0))
+
+
+def test_plain_arrays_are_copied_to_every_replica_even_if_laid_out_on_the_batch_axis():
+    s = _strategy("mirrored", 4)
+    v = jax.device_put(np.arange(8.0, dtype=np.float32), s._batch_sharding)
+    out = s.run(lambda v: v.shape[0] * jnp.ones(()), args=(v,))
+    assert [float(r) for r in s.local_results(out)] == [8.0] * 4

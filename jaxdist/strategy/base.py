@@ -231,9 +231,9 @@ class MeshStrategy(Strategy):
     def run(self, fn: Callable, /, args: tuple = (), kwargs: dict | None = None) -> PerReplica:
         """Runs ``fn(*args, **kwargs)`` once per replica under ``jax.shard_map``.
 
-        Arguments that are distributed (a ``jaxdist.Batch``, a ``PerReplica``, or an array sharded
-        on the batch axis) are split so that each replica sees its own slice; everything else is
-        copied to every replica. Gradients taken inside ``fn`` are *local* to the replica: combine
+        Distributed arguments (a ``jaxdist.Batch`` from ``distribute``, or a ``PerReplica`` from an
+        earlier ``run``) are split so that each replica sees its own slice; everything else is
+        copied to every replica, as tf.distribute does with plain tensors. Gradients taken inside ``fn`` are *local* to the replica: combine
         them with ``jaxdist.all_reduce``.
 
         Returns:
