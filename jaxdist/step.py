@@ -56,10 +56,7 @@ class DistributedStep:
     def __call__(self, state: PyTree, batch: PyTree, /):
         strategy = self.strategy
         state = strategy.put(state)
-        if isinstance(batch, Batch):
-            batch = Batch(strategy._put_batch(batch.data), strategy._put_batch(batch.mask))
-        else:
-            batch = strategy._put_batch(batch)
+        batch = strategy._put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
         key = (jax.tree.structure(state), jax.tree.structure(batch))
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -112,8 +109,8 @@ def run_per_replica(strategy: "MeshStrategy", fn: Callable, args: tuple, kwargs:
     for kind, top in zip(kinds, tops):
         if kind == _REPLICATED:
             placed.append(strategy._put_replicated(top))
-        elif kind == _SPLIT and isinstance(top, Batch):
-            placed.append(Batch(strategy._put_batch(top.data), strategy._put_batch(top.mask)))
+        elif kind == _SPLIT:
+            placed.append(strategy._put_batch(top))
         else:
             placed.append(top)
     compiled = _compiled_run(strategy, fn, treedef, kinds)

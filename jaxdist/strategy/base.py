@@ -298,7 +298,7 @@ def _placed_copy(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _reduce_stacked_jit(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
+def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
     def one(x):
         if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
             raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
@@ -310,10 +310,6 @@ def _reduce_stacked_jit(op: str, axis: int | None, out_sharding: NamedSharding, 
         return jax.lax.with_sharding_constraint(total, out_sharding)
 
     return jax.tree.map(one, stacked)
-
-
-def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stacked: PyTree):
-    return _reduce_stacked_jit(op, axis, out_sharding, stacked)
 
 
 def resolve_devices(devices: Sequence[jax.Device] | None, what: str) -> tuple[jax.Device, ...]:
