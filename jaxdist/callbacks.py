@@ -240,8 +240,7 @@ class BackupAndRestore(ModelCheckpoint):
         if self._notice.reached(info.step):
             self._save(info)
             self.manager.wait_until_finished()
-            self._notice.uninstall()
-            raise TrainingPreempted(self._exit_code)
+            raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()
 
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)
@@ -252,6 +251,7 @@ class BackupAndRestore(ModelCheckpoint):
 
     def close(self) -> None:
         self._notice.uninstall()
+
 
 class EarlyStopping(Callback):
     """Stops training when a monitored epoch metric has stopped improving (Keras semantics).

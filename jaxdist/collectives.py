@@ -93,16 +93,7 @@ def reduce_tree(
     """
     op = _check_op(op)
     axes = _check_axes(axes)
-    _check_choice("implementation", implementation, IMPLEMENTATIONS)
-    if compress is not None:
-        _check_choice("compress", compress, COMPRESSIONS)
-    if pack_bytes is not None and (
-        isinstance(pack_bytes, bool) or not isinstance(pack_bytes, (int, np.integer)) or pack_bytes <= 0
-    ):
-        raise ValueError(
-            f"pack_bytes must be a positive int (bucket size in bytes) or None, got {pack_bytes!r}. "
-            "Use e.g. pack_bytes=4 * 2**20 to pack leaves under 4 MiB."
-        )
+    check_options(implementation, pack_bytes, compress)
     if implementation == "hierarchical" and len(axes) != 2:
         raise ValueError(
             f"implementation='hierarchical' reduces within hosts, then across them, so it needs "
@@ -260,6 +251,25 @@ def _buckets(leaves: list[jax.Array], pack_bytes: int | None, compress: str | No
         open_bucket[key] = (indices, filled + nbytes)
     logger.debug("packed %d leaves into %d buckets (pack_bytes=%d)", len(leaves), len(buckets), pack_bytes)
     return buckets
+
+
+def check_options(implementation: str, pack_bytes: int | None, compress: str | None) -> None:
+    """Validates the cross-device options (strategies call it at construction, so a bad value
+    fails there rather than when a step is first traced).
+
+    Raises:
+      ValueError: naming the bad value and what is allowed.
+    """
+    _check_choice("implementation", implementation, IMPLEMENTATIONS)
+    if compress is not None:
+        _check_choice("compress", compress, COMPRESSIONS)
+    if pack_bytes is not None and (
+        isinstance(pack_bytes, bool) or not isinstance(pack_bytes, (int, np.integer)) or pack_bytes <= 0
+    ):
+        raise ValueError(
+            f"pack_bytes must be a positive int (bucket size in bytes) or None, got {pack_bytes!r}. "
+            "Use e.g. pack_bytes=4 * 2**20 to pack leaves under 4 MiB."
+        )
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -71,7 +71,8 @@ def check_batch_leaves(tree: PyTree, num_replicas: int, *, what: str) -> int:
 
 
 class _Host(NamedTuple):
-    """A global batch on the host: this process's rows of it, the mask, and the real-row count."""
+    """A global batch on the host: this process's rows of it and of the mask, and the number of
+    real rows in the whole global batch."""
 
     local: PyTree
     mask: np.ndarray
@@ -181,7 +182,7 @@ class DistributedDataset:
         gb, real = self.global_batch_size, len(idx)
         full_idx = np.resize(idx, gb) if real < gb else idx  # pads with copies of real rows
         mask = np.arange(gb) < real
-        return _Host(take(full_idx[rows]), mask, real)
+        return _Host(take(full_idx[rows]), mask[rows], real)
 
     def _to_device(self, host: _Host):
         sharding, gb = self.strategy._batch_sharding, self.global_batch_size
@@ -189,8 +190,7 @@ class DistributedDataset:
         def put(local):
             return jax.make_array_from_process_local_data(sharding, local, (gb,) + local.shape[1:])
 
-        rows = self._rows()
-        return Batch(jax.tree.map(put, host.local), put(host.mask[rows])), host.num_real
+        return Batch(jax.tree.map(put, host.local), put(host.mask)), host.num_real
 
 
 _DONE = object()

@@ -70,10 +70,21 @@ class _Options:
         check("grace_period_s", self.grace_period_s >= 0, ">= 0 seconds")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (best effort: another process may take one).
+
+    All ``n`` sockets are held open together so that the ports differ.
+    """
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _describe(returncode: int) -> str:
@@ -124,7 +135,7 @@ class _Launcher:
         if self._env.pop("TF_CONFIG", None) is not None:
             self.say("ignoring TF_CONFIG: the launcher defines the cluster")
         for attempt in range(options.max_restarts + 1):
-            port = options.port or _free_port()
+            port = options.port or free_ports(1)[0]
             code, failure = self._run_group(attempt, port, deadline)
             if failure is None or self._signal is not None or code == EXIT_TIMEOUT:
                 return code

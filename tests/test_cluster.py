@@ -256,7 +256,7 @@ def test_initialize_defers_to_jax_cluster_detection_under_slurm():
            "within 3 s"),
 ])
 def test_initialize_fails_in_bounded_time(process_id, returncode, expected):
-    port = launch._free_port()
+    port = launch.free_ports(1)[0]
     proc = subprocess.run([sys.executable, str(SCRIPTS / "join_alone.py"), str(process_id),
                            str(port)], env=_env(), capture_output=True, text=True, timeout=90)
     assert proc.returncode == returncode, proc.stdout + proc.stderr

@@ -19,29 +19,15 @@ import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 import jaxdist
+from jaxdist.launch import free_ports
 
 __all__ = ["main", "LocalJob", "launch_local", "free_ports"]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (best effort: another process may take one)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _tf_config() -> dict:

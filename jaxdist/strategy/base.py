@@ -173,27 +173,23 @@ class MeshStrategy(Strategy):
         if all(isinstance(x, jax.Array) and x.sharding is t for x, t in zip(leaves, targets)):
             return tree
         return jax.tree.unflatten(treedef, [
-            x if isinstance(x, jax.Array) and x.sharding == t else _placed_copy(x, t)
+            x if _placed_on(x, t) else _placed_copy(x, t)
             for x, t in zip(leaves, targets)])
 
     def _put_replicated(self, tree: PyTree) -> PyTree:
         """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
-        rep = self._replicated
-        return jax.tree.map(
-            lambda x: x if isinstance(x, jax.Array) and x.sharding == rep else jax.device_put(x, rep),
-            tree)
+        return _place_all(tree, self._replicated)
 
     def _put_batch(self, batch: PyTree) -> PyTree:
-        """Places a raw global batch (the same numpy values on every process) on ``data_axes``."""
+        """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same
+        values on every process); leaves already there are kept."""
         from jaxdist.input import check_batch_leaves  # input imports this module
 
         sharding = self._batch_sharding
-        leaves = jax.tree.leaves(batch)
-        if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+        if all(_placed_on(x, sharding) for x in jax.tree.leaves(batch)):
             return batch
         check_batch_leaves(batch, self.num_replicas_in_sync, what="batch")
-        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding == sharding
-                            else jax.device_put(np.asarray(x), sharding), batch)
+        return _place_all(batch, sharding)
 
     def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
                    drop_remainder: bool = False, prefetch: int = 2):
@@ -233,8 +229,8 @@ class MeshStrategy(Strategy):
 
         Distributed arguments (a ``jaxdist.Batch`` from ``distribute``, or a ``PerReplica`` from an
         earlier ``run``) are split so that each replica sees its own slice; everything else is
-        copied to every replica, as tf.distribute does with plain tensors. Gradients taken inside ``fn`` are *local* to the replica: combine
-        them with ``jaxdist.all_reduce``.
+        copied to every replica, as tf.distribute does with plain tensors. Gradients taken inside
+        ``fn`` are *local* to the replica: combine them with ``jaxdist.all_reduce``.
 
         Returns:
           ``PerReplica`` holding every replica's outputs.
@@ -283,6 +279,16 @@ class MeshStrategy(Strategy):
             per_leaf.append([by_device[d][0] for d in self._local_devices])
         return tuple(jax.tree.unflatten(treedef, [col[r] for col in per_leaf])
                      for r in range(len(self._local_devices)))
+
+
+def _placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
+
+
+def _place_all(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
+    """Every leaf of ``tree`` on ``sharding``; leaves already there are kept as they are."""
+    return jax.tree.map(lambda x: x if _placed_on(x, sharding) else jax.device_put(x, sharding),
+                        tree)
 
 
 def _placed_copy(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:

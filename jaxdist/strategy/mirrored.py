@@ -13,21 +13,15 @@ from jaxdist import collectives
 from jaxdist import mesh as mesh_lib
 from jaxdist.strategy.base import MeshStrategy, resolve_devices
 
-CROSS_DEVICE_OPS = collectives.IMPLEMENTATIONS
-COMPRESSIONS = (None, *collectives.COMPRESSIONS)
-
 
 def check_cross_device_options(strategy) -> None:
     """Validates ``cross_device_ops`` / ``pack_bytes`` / ``compress`` of a mirrored-style strategy."""
-    name = type(strategy).__name__
-    if strategy.cross_device_ops not in CROSS_DEVICE_OPS:
-        raise ValueError(f"{name}(cross_device_ops={strategy.cross_device_ops!r}) is not one of "
-                         f"{CROSS_DEVICE_OPS}")
-    pack = strategy.pack_bytes
-    if pack is not None and (not isinstance(pack, int) or isinstance(pack, bool) or pack <= 0):
-        raise ValueError(f"{name}(pack_bytes={pack!r}) must be a positive number of bytes or None")
-    if strategy.compress not in COMPRESSIONS:
-        raise ValueError(f"{name}(compress={strategy.compress!r}) must be None or 'bf16'")
+    try:
+        collectives.check_options(strategy.cross_device_ops, strategy.pack_bytes, strategy.compress)
+    except ValueError as e:
+        raise ValueError(
+            f"{type(strategy).__name__}(cross_device_ops={strategy.cross_device_ops!r}, "
+            f"pack_bytes={strategy.pack_bytes!r}, compress={strategy.compress!r}): {e}") from None
 
 
 class _CrossDeviceOptions:
