@@ -57,7 +57,7 @@ def main() -> None:
         return models.create_train_state(models.MLP(hidden=(256, 128)), x[:1])
 
     hand_batches = [jax.device_put((x[i::4], y[i::4]), dat) for i in range(4)]
-    our_batches = [ours.strategy._put_batch((x[i::4], y[i::4])) for i in range(4)]
+    our_batches = [ours.strategy.layout.put_batch((x[i::4], y[i::4])) for i in range(4)]
     states = {"hand": jax.device_put(make_state(), rep), "jaxdist": ours.strategy.put(make_state())}
 
     def timed(name, fn, batches):

@@ -20,6 +20,7 @@ from jaxdist.input import DistributedDataset as DistributedDataset
 from jaxdist.loss import compute_average_loss as compute_average_loss
 from jaxdist.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
 from jaxdist.replica import ReduceOp as ReduceOp
+from jaxdist.replica import all_gather as all_gather
 from jaxdist.replica import all_reduce as all_reduce
 from jaxdist.replica import num_replicas as num_replicas
 from jaxdist.replica import replica_id as replica_id
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "Strategy",
-    "TPUStrategy", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
+    "TPUStrategy", "all_gather", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
     "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "ps",
     "replica_id",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist._types import PyTree
+from jaxdist.values import has_per_replica
 
 if TYPE_CHECKING:
     from jaxdist.strategy.base import Strategy
@@ -38,7 +39,7 @@ def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
     ``ShapeDtypeStruct`` with one), else goes to this process's first device.
     """
     if strategy is not None:
-        shardings = strategy._state_shardings(target)
+        shardings = strategy.layout.state_shardings(target)
     else:
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
@@ -97,6 +98,11 @@ class CheckpointManager:
         Returns:
           Whether a save was started.
         """
+        if has_per_replica(state):
+            raise TypeError(
+                "CheckpointManager.save got per-replica values (the state returned by strategy.run); "
+                "save one copy that restores on any device count: "
+                "mgr.save(step, strategy.to_mirrored(state))")
         if data_state is None and data_iterator is not None:
             data_state = data_iterator.state()
         meta = {"step": int(step), "data": data_state,

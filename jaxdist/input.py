@@ -12,62 +12,18 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxdist._types import PyTree
+from jaxdist.layout import check_batch_leaves
+from jaxdist.values import Batch
 
-if TYPE_CHECKING:
-    from jaxdist.strategy.base import MeshStrategy
+__all__ = ["Batch", "DistributedDataset", "DistributedIterator", "check_batch_leaves"]
 
 logger = logging.getLogger(__name__)
-
-
-class Batch(NamedTuple):
-    """One global batch: ``data`` (the pytree the dataset yields) and ``mask`` (bool ``[batch]``).
-
-    Both are ``jax.Array``\\ s sharded over the replicas along their first axis. ``mask[i]`` is False
-    for padding rows added to complete a final partial batch; pass it to
-    ``jaxdist.compute_average_loss`` and use it in metrics.
-    """
-
-    data: PyTree
-    mask: Any
-
-
-def _path_str(path) -> str:
-    return "data" + "".join(str(k) for k in path)
-
-
-def check_batch_leaves(tree: PyTree, num_replicas: int, *, what: str) -> int:
-    """Checks that every leaf is an array with the same leading dimension; returns it.
-
-    Raises:
-      ValueError: naming the offending leaf and its shape/type.
-    """
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if not flat:
-        raise ValueError(f"{what} has no array leaves; expected e.g. (x, y) or {{'x': x, 'y': y}}")
-    sizes = {}
-    for path, leaf in flat:
-        if not isinstance(leaf, (np.ndarray, jax.Array)) or np.ndim(leaf) == 0:
-            kind = type(leaf).__name__ if not hasattr(leaf, "shape") else f"a scalar of shape {leaf.shape}"
-            raise ValueError(
-                f"{what} leaf {_path_str(path)} is {kind}; every leaf must be a numpy or jax array "
-                "whose first axis indexes examples (convert lists with np.asarray)")
-        sizes[_path_str(path)] = np.shape(leaf)[0]
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"{what} leaves have different leading (example) dimensions: {sizes}; "
-                         "every leaf must have one row per example")
-    n = next(iter(sizes.values()))
-    if what == "batch" and n % num_replicas:
-        raise ValueError(
-            f"batch has {n} examples, which does not divide over {num_replicas} replicas; use "
-            f"strategy.distribute(data, global_batch_size) (it pads the last batch with a mask) or a "
-            f"batch size that is a multiple of {num_replicas}")
-    return n
 
 
 class _Host(NamedTuple):
@@ -86,7 +42,7 @@ class DistributedDataset:
     ``iterator(epoch=, position=)`` starts anywhere, which is how a checkpointed run resumes exactly.
     """
 
-    def __init__(self, strategy: "MeshStrategy", data: Any, global_batch_size: int, *,
+    def __init__(self, strategy: Any, data: Any, global_batch_size: int, *,
                  shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
                  prefetch: int = 2):
         n = strategy.num_replicas_in_sync
@@ -143,7 +99,7 @@ class DistributedDataset:
         """The rows of a global batch whose devices belong to this process."""
         if jax.process_count() == 1:
             return slice(0, self.global_batch_size)
-        index_map = self.strategy._batch_sharding.addressable_devices_indices_map(
+        index_map = self.strategy.layout.batch.addressable_devices_indices_map(
             (self.global_batch_size,))
         starts = sorted({idx[0].start or 0 for idx in index_map.values()})
         stops = sorted({idx[0].stop or self.global_batch_size for idx in index_map.values()})
@@ -185,7 +141,7 @@ class DistributedDataset:
         return _Host(take(full_idx[rows]), mask[rows], real)
 
     def _to_device(self, host: _Host):
-        sharding, gb = self.strategy._batch_sharding, self.global_batch_size
+        sharding, gb = self.strategy.layout.batch, self.global_batch_size
 
         def put(local):
             return jax.make_array_from_process_local_data(sharding, local, (gb,) + local.shape[1:])

@@ -93,25 +93,37 @@ def _per_replica_context(fn_name: str) -> ReplicaContext:
     return ctx
 
 
+_EXTREMA = {"max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
 def all_reduce(tree: PyTree, op: ReduceOp | str = "mean") -> PyTree:
     """Reduces every leaf of ``tree`` across the replicas of the active strategy.
 
-    Uses the strategy's ``cross_device_ops`` implementation. Only valid inside per-replica code
-    (the function given to ``strategy.run``); gradients computed there are local to the replica,
-    so this is the one place they are combined.
+    Uses the strategy's ``cross_device_ops`` implementation for ``"sum"`` and ``"mean"``. Only
+    valid inside per-replica code (the function given to ``strategy.run``); gradients computed
+    there are local to the replica, so this is the one place they are combined.
 
     Args:
       tree: pytree of arrays, the same structure and shapes on every replica.
-      op: ``"sum"`` or ``"mean"``.
+      op: ``"sum"`` or ``"mean"`` (``jaxdist.ReduceOp``), or ``"max"`` / ``"min"`` (element-wise
+        over the replicas, always with XLA's own collective).
 
     Returns:
       The reduced pytree, identical on every replica.
 
     Raises:
       RuntimeError: outside ``strategy.run``.
+      ValueError: an unknown ``op``.
     """
     ctx = _per_replica_context("all_reduce")
-    op = ReduceOp.parse(op)
+    if isinstance(op, str) and op.lower() in _EXTREMA:
+        extremum = _EXTREMA[op.lower()]
+        return tree if not ctx.axes else jax.tree.map(lambda x: extremum(x, ctx.axes), tree)
+    try:
+        op = ReduceOp.parse(op)
+    except ValueError:
+        raise ValueError(f"unknown all_reduce op {op!r}; expected 'sum', 'mean', 'max' or 'min'") \
+            from None
     if not ctx.axes:
         return tree
     from jaxdist import collectives  # late: collectives is heavier and only needed when tracing
@@ -119,6 +131,37 @@ def all_reduce(tree: PyTree, op: ReduceOp | str = "mean") -> PyTree:
     return collectives.reduce_tree(
         tree, op.value, axes=ctx.axes, implementation=ctx.implementation,
         pack_bytes=ctx.pack_bytes, compress=ctx.compress)
+
+
+def all_gather(tree: PyTree, axis: int = 0) -> PyTree:
+    """Concatenates every replica's value along ``axis``, on every replica (per-replica code only).
+
+    As tf's ``ReplicaContext.all_gather``: each leaf of shape ``(..., d, ...)`` becomes
+    ``(..., num_replicas() * d, ...)``, replica 0's rows first.
+
+    Args:
+      tree: pytree of arrays of rank >= 1, the same shapes on every replica.
+      axis: the axis to concatenate along.
+
+    Returns:
+      The gathered pytree, identical on every replica.
+
+    Raises:
+      RuntimeError: outside ``strategy.run``.
+      ValueError: a scalar leaf, or ``axis`` out of range.
+    """
+    ctx = _per_replica_context("all_gather")
+
+    def one(x):
+        x = jnp.asarray(x)
+        if not -x.ndim <= axis < x.ndim or x.ndim == 0:
+            raise ValueError(f"jaxdist.all_gather(axis={axis}) is out of range for a leaf of shape "
+                             f"{x.shape}" + ("; gather x[None] to stack scalars" if x.ndim == 0 else ""))
+        if not ctx.axes:
+            return x
+        return jax.lax.all_gather(x, ctx.axes, axis=axis % x.ndim, tiled=True)
+
+    return jax.tree.map(one, tree)
 
 
 def replica_id() -> jax.Array:

@@ -1,21 +1,61 @@
-"""Turning a user's step into a compiled distributed step: the global and the per-replica view."""
+"""Turning a user's global-view step into a compiled distributed step, with bounded run-ahead."""
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist import replica
 from jaxdist._types import PyTree
-from jaxdist.input import Batch
-from jaxdist.strategy.base import PerReplica
 
-if TYPE_CHECKING:
-    from jaxdist.strategy.base import MeshStrategy
+MAX_IN_FLIGHT = 32
+"""The most steps a loop may keep queued: on XLA:CPU with several devices, ~100 queued steps with
+collectives deadlock XLA's rendezvous and abort the process; syncing every <= 32 steps avoids it."""
+
+
+def check_max_in_flight(max_in_flight: int) -> int:
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) or not (
+            1 <= max_in_flight <= MAX_IN_FLIGHT):
+        raise ValueError(f"max_in_flight={max_in_flight!r} must be an int in [1, {MAX_IN_FLIGHT}]: "
+                         "more queued steps deadlock XLA:CPU's collectives")
+    return int(max_in_flight)
+
+
+class InFlight:
+    """Bounds how many dispatched steps may still be running.
+
+    JAX dispatches asynchronously, so a plain ``for`` loop over a compiled step queues steps as fast
+    as Python can issue them. After each step this keeps a handle on one of its outputs that the
+    next step will not consume, and waits for the step ``max_in_flight`` calls back, which in a busy
+    loop has finished long ago (the wait costs nothing) and otherwise holds Python back. All outputs
+    of one execution become ready together, so one leaf stands for the whole step. A step whose
+    outputs are all donated to the next one leaves no such handle: then every ``max_in_flight``-th
+    step is waited for before its outputs are handed back.
+    """
+
+    def __init__(self, max_in_flight: int):
+        self.max_in_flight = check_max_in_flight(max_in_flight)
+        self._pending: collections.deque = collections.deque()
+        self._calls = 0
+
+    def add(self, keep: PyTree, consumed: PyTree) -> None:
+        """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
+        self._calls += 1
+        handle = next(iter(jax.tree.leaves(keep)), None)
+        if handle is None:
+            if self._calls % self.max_in_flight == 0:
+                jax.block_until_ready(consumed)
+            return
+        self._pending.append(handle)
+        while len(self._pending) > self.max_in_flight:
+            old = self._pending.popleft()
+            if not old.is_deleted():  # a caller may have donated it to a step of its own
+                old.block_until_ready()
 
 
 def _same_layout(a: PyTree, b: PyTree) -> bool:
@@ -24,6 +64,11 @@ def _same_layout(a: PyTree, b: PyTree) -> bool:
         return False
     return all(np.shape(x) == np.shape(y) and jax.numpy.result_type(x) == jax.numpy.result_type(y)
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def returns_state(state: PyTree, out: Any) -> bool:
+    """True when ``out`` is ``(new_state, extras)`` with ``new_state`` laid out like ``state``."""
+    return isinstance(out, tuple) and len(out) == 2 and _same_layout(state, out[0])
 
 
 class DistributedStep:
@@ -36,100 +81,56 @@ class DistributedStep:
 
     Donation is skipped automatically when ``fn`` does not return ``(new_state, ...)`` with the
     state's layout (an eval step returning only metrics must not consume the state it was given).
+    At most ``max_in_flight`` calls are left running: a plain ``for`` loop over the step never
+    queues enough work to deadlock XLA's collectives.
 
     Attributes:
       strategy: the strategy the step runs under.
     """
 
-    def __init__(self, fn: Callable, strategy: "MeshStrategy", /, *, donate: bool = True):
+    def __init__(self, fn: Callable, strategy: Any, /, *, donate: bool = True,
+                 max_in_flight: int = 8):
         if not callable(fn):
             raise TypeError(f"expected a step function fn(state, batch), got {type(fn).__name__}")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.strategy = strategy
         self._donate = donate
-        self._compiled: dict[Any, Callable] = {}
+        self._in_flight = InFlight(max_in_flight)
+        self._compiled: dict[Any, tuple[Callable, bool]] = {}
 
     def __repr__(self) -> str:
         return f"DistributedStep({getattr(self._fn, '__qualname__', self._fn)!r}, {self.strategy!r})"
 
     def __call__(self, state: PyTree, batch: PyTree, /):
-        strategy = self.strategy
-        state = strategy.put(state)
-        batch = strategy._put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
+        layout = self.strategy.layout
+        state = self.strategy.put(state)
+        batch = layout.put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
         key = (jax.tree.structure(state), jax.tree.structure(batch))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._build(state, batch)
-        with replica.enter(strategy._context(per_replica=False)):
-            return compiled(state, batch)
+        entry = self._compiled.get(key)
+        if entry is None:
+            entry = self._compiled[key] = self._build(state, batch)
+        compiled, keeps_state = entry
+        with replica.enter(layout.context(per_replica=False)):
+            out = compiled(state, batch)
+        if keeps_state:
+            self._in_flight.add(out[1], out[0])
+        else:
+            self._in_flight.add(out, ())
+        return out
 
-    def _build(self, state: PyTree, batch: PyTree) -> Callable:
-        strategy = self.strategy
-        state_sh = strategy._state_shardings(state)
-        batch_sh = jax.tree.map(lambda _: strategy._batch_sharding, batch)
-        fn = strategy._wrap_step(self._fn)
-        with replica.enter(strategy._context(per_replica=False)):
+    def _build(self, state: PyTree, batch: PyTree) -> tuple[Callable, bool]:
+        layout = self.strategy.layout
+        state_sh = layout.state_shardings(state)
+        batch_sh = jax.tree.map(lambda _: layout.batch, batch)
+        fn = layout.adapt_step(self._fn)
+        with replica.enter(layout.context(per_replica=False)):
             out = jax.eval_shape(fn, state, batch)
-        returns_state = isinstance(out, tuple) and len(out) == 2 and _same_layout(state, out[0])
-        if returns_state:
-            out_sh = (state_sh, jax.tree.map(lambda _: strategy._replicated, out[1]))
+        keeps_state = returns_state(state, out)
+        if keeps_state:
+            out_sh = (state_sh, jax.tree.map(lambda _: layout.replicated, out[1]))
         else:
-            out_sh = jax.tree.map(lambda _: strategy._replicated, out)
+            out_sh = jax.tree.map(lambda _: layout.replicated, out)
+        donates = self._donate and keeps_state
         return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=out_sh,
-                       donate_argnums=(0,) if (self._donate and returns_state) else ())
-
-
-# --- the per-replica view ----------------------------------------------------------------------------
-
-_REPLICATED, _SPLIT, _PER_REPLICA = "replicated", "split", "per_replica"
-
-
-def _classify(strategy: "MeshStrategy", top: Any) -> str:
-    if isinstance(top, PerReplica):
-        return _PER_REPLICA
-    if isinstance(top, Batch):
-        return _SPLIT
-    # Anything else is copied to every replica, as tf.distribute does with plain tensors: guessing
-    # from an array's sharding would split state that merely happens to be laid out on the batch axis.
-    return _REPLICATED
-
-
-def run_per_replica(strategy: "MeshStrategy", fn: Callable, args: tuple, kwargs: dict) -> PerReplica:
-    """``strategy.run``: ``fn`` once per replica under ``jax.shard_map`` (``check_vma=False``).
-
-    ``check_vma=False`` matters: with it on, JAX marks replicated parameters as varying inside the
-    map and the transpose of that is a psum, so ``jax.grad`` would already return gradients summed
-    over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
-    """
-    is_top = lambda x: isinstance(x, (PerReplica, Batch))  # noqa: E731
-    tops, treedef = jax.tree.flatten((tuple(args), dict(kwargs)), is_leaf=is_top)
-    kinds = tuple(_classify(strategy, t) for t in tops)
-    placed = []
-    for kind, top in zip(kinds, tops):
-        if kind == _REPLICATED:
-            placed.append(strategy._put_replicated(top))
-        elif kind == _SPLIT:
-            placed.append(strategy._put_batch(top))
-        else:
-            placed.append(top)
-    compiled = _compiled_run(strategy, fn, treedef, kinds)
-    with replica.enter(strategy._context(per_replica=True)):
-        return PerReplica(compiled(*placed))
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled_run(strategy: "MeshStrategy", fn: Callable, treedef, kinds: tuple[str, ...]):
-    split = jax.P(strategy._data_axes)
-    in_specs = tuple(jax.P() if k == _REPLICATED else split for k in kinds)
-
-    def body(*tops):
-        tops = [jax.tree.map(lambda x: x[0], t.stacked) if k == _PER_REPLICA else t
-                for k, t in zip(kinds, tops)]
-        args, kwargs = jax.tree.unflatten(treedef, tops)
-        out = fn(*args, **kwargs)
-        return jax.tree.map(lambda x: jax.numpy.asarray(x)[None], out)
-
-    mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=in_specs, out_specs=split,
-                           check_vma=False)
-    return jax.jit(mapped)
+                       donate_argnums=(0,) if donates else ()), keeps_state

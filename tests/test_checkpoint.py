@@ -38,7 +38,7 @@ def test_save_on_8_devices_restore_on_1_and_4(tmp_path):
         restored = mgr.restore(target=_state(seed=0), strategy=target_strategy)
         _assert_trees_equal(restored, saved)
         leaf = jax.tree.leaves(restored)[0]
-        assert leaf.sharding == target_strategy._replicated
+        assert leaf.sharding == target_strategy.layout.replicated
 
 
 def test_missing_and_corrupt_checkpoints_leave_older_ones_usable(tmp_path):

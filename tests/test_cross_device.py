@@ -40,14 +40,13 @@ def test_cross_device_ops_train_like_xla(digits, options, rtol):
 def test_the_strategy_choice_reaches_the_compiled_program():
     s = jaxdist.MirroredStrategy(jax.devices()[:4], cross_device_ops="ring")
     from jaxdist.collectives import _count_collectives
-    from jaxdist.step import _compiled_run, _classify
+    from jaxdist.per_replica import lower
 
     def fn(v):
         return jaxdist.all_reduce(v, "sum")
 
     v = s.put(np.ones(1000, np.float32))
     assert float(s.local_results(s.run(fn, args=(v,)))[0][0]) == 4.0
-    treedef = jax.tree.structure(((v,), {}))
-    hlo = _compiled_run(s, fn, treedef, (_classify(s, v),)).lower(v).compile().as_text()
+    hlo = lower(s, fn, args=(v,)).compile().as_text()
     counts = _count_collectives(hlo)
     assert counts.get("collective-permute", 0) >= 1 and counts.get("all-reduce", 0) == 0

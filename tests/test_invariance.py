@@ -76,6 +76,6 @@ def test_gradients_in_run_are_local_until_all_reduced():
         g = jax.grad(lambda w: jnp.sum(w * batch.data))(w)
         return g, jaxdist.all_reduce(g, "sum")
 
-    local, summed = strategy.run(grads, args=(w, batch)).stacked
+    local, summed = (v.stacked for v in strategy.run(grads, args=(w, batch)))
     np.testing.assert_array_equal(np.asarray(local), np.asarray(x))  # replica r sees row r only
     np.testing.assert_array_equal(np.asarray(summed), np.tile(x.sum(0), (4, 1)))

@@ -87,7 +87,7 @@ def test_checkpoint_from_2x2_restores_on_1x8_and_on_1_device(tmp_path):
     expected = _params(out)
     for strategy in (jaxdist.MirroredStrategy(jax.devices()[:8]), jaxdist.OneDeviceStrategy()):
         restored = mgr.restore(step, target=target, strategy=strategy)
-        assert jax.tree.leaves(restored)[0].sharding == strategy._replicated
+        assert jax.tree.leaves(restored)[0].sharding == strategy.layout.replicated
         flat = {jax.tree_util.keystr(p): v for p, v in
                 jax.tree_util.tree_flatten_with_path(jax.device_get(restored.params))[0]}
         for k, v in flat.items():

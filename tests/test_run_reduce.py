@@ -52,7 +52,7 @@ def test_run_splits_batches_and_reduce_matches_hand_computation(kind, n):
                                x.sum() * 2)
     np.testing.assert_allclose(float(s.reduce(jaxdist.ReduceOp.MEAN, out)["rowsum"]), x.sum() * 2 / r)
     # axis=0 also reduces along each replica's batch axis: the global batch mean / sum.
-    rows = jaxdist.PerReplica(out.stacked["rows"])
+    rows = out["rows"]
     np.testing.assert_allclose(np.asarray(s.reduce("mean", rows, axis=0)), x.mean(0))
     np.testing.assert_allclose(np.asarray(s.reduce("SUM", rows, axis=0)), x.sum(0))
     with pytest.raises(ValueError, match=r"axis=0\) is out of range .* shape \(\)"):
@@ -108,6 +108,6 @@ def test_reduce_of_a_non_per_replica_value():
 
 def test_plain_arrays_are_copied_to_every_replica_even_if_laid_out_on_the_batch_axis():
     s = _strategy("mirrored", 4)
-    v = jax.device_put(np.arange(8.0, dtype=np.float32), s._batch_sharding)
+    v = jax.device_put(np.arange(8.0, dtype=np.float32), s.layout.batch)
     out = s.run(lambda v: v.shape[0] * jnp.ones(()), args=(v,))
     assert [float(r) for r in s.local_results(out)] == [8.0] * 4

@@ -12,40 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jaxdist import replica
+from jaxdist import per_replica
 from jaxdist._types import PyTree
+from jaxdist.input import DistributedDataset
+from jaxdist.layout import Layout
 from jaxdist.replica import ReduceOp
-
-
-@jax.tree_util.register_pytree_node_class
-class PerReplica:
-    """Values that differ between replicas, as returned by ``strategy.run``.
-
-    ``stacked`` is a pytree whose leaves carry a leading axis of length ``num_replicas_in_sync``,
-    sharded so that entry ``r`` lives on replica ``r``'s device. Read it with ``strategy.reduce``
-    or ``strategy.local_results``; pass it back to ``strategy.run`` and each replica gets its own entry.
-    """
-
-    __slots__ = ("stacked",)
-
-    def __init__(self, stacked: PyTree):
-        self.stacked = stacked
-
-    def tree_flatten(self):
-        return (self.stacked,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(children[0])
-
-    def __repr__(self) -> str:
-        shapes = jax.tree.map(lambda x: getattr(x, "shape", x), self.stacked)
-        return f"PerReplica({shapes})"
+from jaxdist.step import DistributedStep
+from jaxdist.values import PerReplica, has_per_replica
 
 
 class Strategy(abc.ABC):
@@ -75,8 +50,8 @@ class Strategy(abc.ABC):
         """Compiles a global-view ``fn(state, batch) -> (state, metrics)``."""
 
     @abc.abstractmethod
-    def run(self, fn: Callable, /, args: tuple = (), kwargs: dict | None = None) -> PerReplica:
-        """Runs ``fn`` once per replica on its slice of the distributed arguments."""
+    def run(self, fn: Callable, /, args: tuple = (), kwargs: dict | None = None) -> PyTree:
+        """Runs ``fn`` once per replica; returns its output structure of ``PerReplica`` values."""
 
     @abc.abstractmethod
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> jax.Array:
@@ -88,10 +63,12 @@ class Strategy(abc.ABC):
 
 
 class MeshStrategy(Strategy):
-    """A strategy whose replicas are the devices of a mesh, state replicated, batch on ``data_axes``.
+    """A strategy whose replicas are the devices of a mesh, state replicated, batch on the data axes.
 
-    Subclasses are frozen dataclasses that define ``_build_mesh()``; the mesh and the shardings are
-    derived lazily (``functools.cached_property``) so that constructing a strategy does no device work.
+    Subclasses are frozen dataclasses that define ``_build_mesh()``; everything else derives from
+    the ``layout`` (built lazily, ``functools.cached_property``, so constructing a strategy does no
+    device work). The work itself is done by ``jaxdist.input``, ``jaxdist.step`` and
+    ``jaxdist.per_replica``, which take the layout.
     """
 
     # --- what subclasses provide --------------------------------------------------------------
@@ -102,102 +79,62 @@ class MeshStrategy(Strategy):
     _pack_bytes: int | None = None
     _compress: str | None = None
 
+    def _data_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        return tuple(mesh.axis_names)
+
+    def _layout_hooks(self) -> dict[str, Any]:
+        """Where state lives between steps and how a step is adapted to it (mirrored: defaults)."""
+        return {}
+
     # --- derived --------------------------------------------------------------------------------
     @functools.cached_property
-    def _mesh(self) -> Mesh:
-        return self._build_mesh()
+    def layout(self) -> Layout:
+        """Where this strategy keeps state and batches: mesh, data axes, shardings, step adapter."""
+        mesh = self._build_mesh()
+        return Layout(mesh, self._data_axes(mesh), implementation=self._implementation,
+                      pack_bytes=self._pack_bytes, compress=self._compress, **self._layout_hooks())
 
     @property
     def mesh(self) -> Mesh:
-        return self._mesh
-
-    @functools.cached_property
-    def _data_axes(self) -> tuple[str, ...]:
-        return tuple(self._mesh.axis_names)
+        return self.layout.mesh
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self._mesh.devices.size
+        return self.layout.num_replicas
 
     @functools.cached_property
-    def _replicated(self) -> NamedSharding:
-        return NamedSharding(self._mesh, jax.P())
-
-    @functools.cached_property
-    def _batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self._mesh, jax.P(self._data_axes))
-
-    @functools.cached_property
-    def _local_devices(self) -> tuple[jax.Device, ...]:
-        """The mesh's devices owned by this process, in replica order."""
-        me = jax.process_index()
-        return tuple(d for d in self._mesh.devices.flat if d.process_index == me)
-
-    @functools.cached_property
-    def _contexts(self) -> dict[bool, replica.ReplicaContext]:
-        return {per_replica: replica.ReplicaContext(
-            axes=self._data_axes, num_replicas=self.num_replicas_in_sync, per_replica=per_replica,
-            implementation=self._implementation, pack_bytes=self._pack_bytes,
-            compress=self._compress) for per_replica in (False, True)}
-
-    def _context(self, per_replica: bool) -> replica.ReplicaContext:
-        return self._contexts[per_replica]
-
-    # --- placement ------------------------------------------------------------------------------
-    def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
-        """Where one state leaf lives between steps (a copy on every replica, here)."""
-        return self._replicated
-
-    def _state_shardings(self, tree: PyTree) -> PyTree:
-        return jax.tree.map(self._leaf_sharding, tree)
-
-    def _wrap_step(self, fn: Callable) -> Callable:
-        """Adapts a user's global-view step to where this strategy keeps state (identity here)."""
-        return fn
+    def _run_cache(self) -> per_replica.RunCache:
+        return per_replica.RunCache()
 
     def put(self, tree: PyTree) -> PyTree:
         """Places every leaf of ``tree`` the strategy's way (a copy on each replica's device).
 
         Leaves already placed that way are returned as they are (no copy), and a train step then
-        donates them; any other leaf is copied, so the caller's own arrays stay valid.
+        donates them; any other leaf is copied, so the caller's own arrays stay valid. Per-replica
+        values the replicas agree on (a state from ``strategy.run``) become one mirrored value.
 
         >>> import jax, jaxdist
         >>> s = jaxdist.OneDeviceStrategy(jax.devices()[0])
         >>> s.put({"w": 1.0})["w"].sharding.is_fully_replicated
         True
         """
-        leaves, treedef = jax.tree.flatten(tree)
-        targets = [self._leaf_sharding(x) for x in leaves]
-        # The steady state: a step's output fed straight back in, already placed. Checking the
-        # leaves is much cheaper than rebuilding the tree.
-        if all(isinstance(x, jax.Array) and x.sharding is t for x, t in zip(leaves, targets)):
+        layout = self.layout
+        if layout.is_placed(tree):
             return tree
-        return jax.tree.unflatten(treedef, [
-            x if _placed_on(x, t) else _placed_copy(x, t)
-            for x, t in zip(leaves, targets)])
-
-    def _put_replicated(self, tree: PyTree) -> PyTree:
-        """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
-        return _place_all(tree, self._replicated)
-
-    def _put_batch(self, batch: PyTree) -> PyTree:
-        """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same
-        values on every process); leaves already there are kept."""
-        from jaxdist.input import check_batch_leaves  # input imports this module
-
-        sharding = self._batch_sharding
-        if all(_placed_on(x, sharding) for x in jax.tree.leaves(batch)):
-            return batch
-        check_batch_leaves(batch, self.num_replicas_in_sync, what="batch")
-        return _place_all(batch, sharding)
+        if has_per_replica(tree):
+            tree = self.to_mirrored(tree)
+        return layout.put_state(tree)
 
     def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
                    drop_remainder: bool = False, prefetch: int = 2):
         """Shards ``data`` into global batches laid out on the replicas.
 
+        Create the dataset once and iterate it once per epoch: each new iteration is the next epoch,
+        reshuffled (when ``shuffle``) in an order that depends only on ``(seed, epoch)``.
+
         Args:
           data: an in-memory dataset (a tuple / dict / pytree of numpy arrays with a common leading
-            example axis), or an iterable of such batches (a list, a generator function, a grain
+            example axis), or an iterable of such batches (a generator function, a grain
             ``MapDataset.batch(...)``), each with at most ``global_batch_size`` examples.
           global_batch_size: examples per step across all replicas; must divide evenly over them.
           shuffle: reshuffle in-memory data every epoch, deterministically from ``seed``.
@@ -213,109 +150,96 @@ class MeshStrategy(Strategy):
           ValueError: the batch size does not divide over the replicas, leaves are not arrays,
             or their leading dimensions differ.
         """
-        from jaxdist.input import DistributedDataset
-
         return DistributedDataset(self, data, global_batch_size, shuffle=shuffle, seed=seed,
                                   drop_remainder=drop_remainder, prefetch=prefetch)
 
     # --- the two views ----------------------------------------------------------------------------
-    def step(self, fn: Callable, /, *, donate: bool = True) -> Callable:
-        from jaxdist.step import DistributedStep
+    def step(self, fn: Callable, /, *, donate: bool = True, max_in_flight: int = 8) -> Callable:
+        """Compiles a global-view ``fn(state, batch) -> (state, metrics)`` for this strategy.
 
-        return DistributedStep(fn, self, donate=donate)
-
-    def run(self, fn: Callable, /, args: tuple = (), kwargs: dict | None = None) -> PerReplica:
-        """Runs ``fn(*args, **kwargs)`` once per replica under ``jax.shard_map``.
-
-        Distributed arguments (a ``jaxdist.Batch`` from ``distribute``, or a ``PerReplica`` from an
-        earlier ``run``) are split so that each replica sees its own slice; everything else is
-        copied to every replica, as tf.distribute does with plain tensors. Gradients taken inside
-        ``fn`` are *local* to the replica: combine them with ``jaxdist.all_reduce``.
+        Args:
+          fn: the step, written for one device over the global batch.
+          donate: let the step reuse the state's buffers for the new state.
+          max_in_flight: the most calls left running before a call waits for an older one.
 
         Returns:
-          ``PerReplica`` holding every replica's outputs.
+          A ``DistributedStep``, called like ``fn``.
         """
-        from jaxdist.step import run_per_replica
+        return DistributedStep(fn, self, donate=donate, max_in_flight=max_in_flight)
 
-        return run_per_replica(self, fn, args, {} if kwargs is None else kwargs)
+    def run(self, fn: Callable, /, args: tuple = (), kwargs: dict | None = None) -> PyTree:
+        """Runs ``fn(*args, **kwargs)`` once per replica under ``jax.shard_map``.
+
+        Distributed arguments (a ``jaxdist.Batch`` from ``distribute``, or ``PerReplica`` values from
+        an earlier ``run``, anywhere in the arguments) are split so that each replica sees its own
+        slice, without leaving the devices; everything else is copied to every replica, as
+        tf.distribute does with plain tensors. Gradients taken inside ``fn`` are *local* to the
+        replica: combine them with ``jaxdist.all_reduce``.
+
+        When ``fn`` returns ``(new_state, ...)`` with the layout of its first argument, the
+        per-replica values of that argument are donated (their buffers hold the new state), so
+        ``state, loss = strategy.run(step, args=(state, batch))`` updates the state in place.
+
+        Returns:
+          ``fn``'s own output structure with a ``jaxdist.PerReplica`` in place of each array.
+        """
+        return per_replica.run(self.layout, self._run_cache, fn, args,
+                               {} if kwargs is None else kwargs)
 
     # --- reading results on the host ---------------------------------------------------------------
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> PyTree:
-        """Combines a per-replica value across replicas, as ``tf.distribute.Strategy.reduce``.
+        """Combines per-replica values across replicas, as ``tf.distribute.Strategy.reduce``.
 
         Args:
           op: ``"sum"`` or ``"mean"``.
-          value: a ``PerReplica`` (or a value that is the same on every replica).
+          value: any nest of ``PerReplica`` values (what ``strategy.run`` returned, or part of it),
+            or a value that is the same on every replica.
           axis: ``None`` reduces across replicas only; an int also reduces along that axis of each
             replica's value (``"mean"`` then averages over all those elements, the global batch mean).
 
         Returns:
-          The reduced pytree of arrays, replicated.
+          The nest with each per-replica value reduced to one replicated array.
         """
-        op = ReduceOp.parse(op)
-        if not isinstance(value, PerReplica):
-            if axis is not None:
-                fn = jnp.sum if op is ReduceOp.SUM else jnp.mean
-                return jax.tree.map(lambda x: fn(x, axis=axis), value)
-            if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
-                raise ValueError(
-                    "strategy.reduce('sum', value) got a value that is not per-replica, so summing it "
-                    f"over {self.num_replicas_in_sync} replicas is ambiguous; pass the PerReplica "
-                    "returned by strategy.run, or use 'mean'")
-            return value
-        return _reduce_stacked(op.value, axis, self._replicated, value.stacked)
+        return per_replica.reduce(self.layout, op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> PyTree:
+        """Concatenates every replica's value along ``axis`` (tf: ``Strategy.gather``).
+
+        Args:
+          value: any nest of ``PerReplica`` values; with one replica also a plain value.
+          axis: the axis of each replica's value to concatenate along.
+
+        Returns:
+          The nest with each per-replica value replaced by the concatenation, in replica order,
+          replicated on every device (every process sees all of it).
+        """
+        return per_replica.gather(self.layout, value, axis)
 
     def local_results(self, value: Any) -> tuple:
-        """This process's per-replica values as a tuple (one entry per local replica).
+        """This process's per-replica values as a tuple (one nest per local replica, in order).
 
-        A value that is not ``PerReplica`` is returned as a 1-tuple, as in tf.distribute.
+        As tf's ``experimental_local_results``: each ``PerReplica`` in the nest is replaced by that
+        replica's value; a value with no ``PerReplica`` in it is returned as a 1-tuple.
         """
-        if not isinstance(value, PerReplica):
-            return (value,)
-        leaves, treedef = jax.tree.flatten(value.stacked)
-        per_leaf = []
-        for leaf in leaves:
-            by_device = {s.device: s.data for s in leaf.addressable_shards}
-            per_leaf.append([by_device[d][0] for d in self._local_devices])
-        return tuple(jax.tree.unflatten(treedef, [col[r] for col in per_leaf])
-                     for r in range(len(self._local_devices)))
+        return per_replica.local_results(self.layout, value)
 
+    def to_mirrored(self, value: Any, *, check: bool = False) -> PyTree:
+        """One replicated value from per-replica values that every replica agrees on.
 
-def _placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
-    return isinstance(x, jax.Array) and x.sharding == sharding
+        The state after an all-reduced update is the same on every replica; this turns each
+        ``PerReplica`` in the nest into one array replicated over the mesh (tf's mirrored values),
+        for checkpointing, evaluation or a global-view step. Each device's own copy becomes its
+        shard of the result: nothing is copied between devices or through the host.
 
+        Args:
+          value: a nest of ``PerReplica`` values (other leaves are placed replicated).
+          check: verify on the devices that the replicas really agree (bitwise); costs one
+            all-reduce per leaf.
 
-def _place_all(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
-    """Every leaf of ``tree`` on ``sharding``; leaves already there are kept as they are."""
-    return jax.tree.map(lambda x: x if _placed_on(x, sharding) else jax.device_put(x, sharding),
-                        tree)
-
-
-def _placed_copy(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """``x`` placed on ``sharding`` in buffers of its own.
-
-    The placed copy is donated by the next step, so it must not share a buffer with the caller's
-    array: ``device_put`` reuses the source buffer for the shard on the source's device even with
-    ``may_alias=False`` when it replicates (seen on jax 0.10.2), hence the explicit copy.
-    """
-    if isinstance(x, jax.Array):
-        x = jnp.array(x, copy=True)
-    return jax.device_put(x, sharding)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
-    def one(x):
-        if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
-            raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
-                             f"of shape {x.shape[1:]}; use axis=None to reduce across replicas only")
-        axes = (0,) if axis is None else (0, 1 + axis % (x.ndim - 1))
-        total = jnp.sum(x, axis=axes)
-        if op == "mean":
-            total = total / np.prod([x.shape[a] for a in axes])
-        return jax.lax.with_sharding_constraint(total, out_sharding)
-
-    return jax.tree.map(one, stacked)
+        Raises:
+          ValueError: with ``check=True``, naming the leaves whose replicas differ.
+        """
+        return per_replica.to_mirrored(self.layout, value, check=check)
 
 
 def resolve_devices(devices: Sequence[jax.Device] | None, what: str) -> tuple[jax.Device, ...]:

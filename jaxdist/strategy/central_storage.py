@@ -64,8 +64,11 @@ class CentralStorageStrategy(MeshStrategy):
     def _central(self) -> dict[bool, NamedSharding]:
         """Host shardings, keyed by whether the leaf is partitioned over the replicas."""
         kind = self._memory_kind
-        return {True: NamedSharding(self.mesh, jax.P(self._data_axes), memory_kind=kind),
+        return {True: NamedSharding(self.mesh, jax.P(self.layout.data_axes), memory_kind=kind),
                 False: NamedSharding(self.mesh, jax.P(), memory_kind=kind)}
+
+    def _layout_hooks(self) -> dict[str, Any]:
+        return {"state_sharding": self._leaf_sharding, "adapt_step": self._wrap_step}
 
     def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
         shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
@@ -74,7 +77,7 @@ class CentralStorageStrategy(MeshStrategy):
     def _wrap_step(self, fn: Callable) -> Callable:
         if self._memory_kind is None and self.num_replicas_in_sync == 1:
             return fn
-        device = self._replicated
+        device = self.layout.replicated
 
         @functools.wraps(fn)
         def central_step(state, batch):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -108,14 +107,13 @@ class DefaultStrategy(MeshStrategy):
     def _build_mesh(self) -> Mesh:
         return mesh_lib.local_mesh(jax.devices()[:1])
 
-    @functools.cached_property
-    def _data_axes(self) -> tuple[str, ...]:
+    def _data_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return ()
 
 
 def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
              cross_device_ops: str = "xla", pack_bytes: int | None = None,
-             compress: str | None = None, donate: bool = True):
+             compress: str | None = None, donate: bool = True, max_in_flight: int = 8):
     """Distributes a single-device ``train_step(state, batch)`` over the local devices.
 
     ``@jaxdist.mirrored`` is ``MirroredStrategy().step(train_step)``; with arguments,
@@ -133,5 +131,5 @@ def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
     strategy = MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops,
                                 pack_bytes=pack_bytes, compress=compress)
     if fn is None:
-        return lambda f: strategy.step(f, donate=donate)
-    return strategy.step(fn, donate=donate)
+        return lambda f: strategy.step(f, donate=donate, max_in_flight=max_in_flight)
+    return strategy.step(fn, donate=donate, max_in_flight=max_in_flight)

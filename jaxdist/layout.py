@@ -1,0 +1,186 @@
+"""Where things live under a strategy: one frozen value that input, step and checkpoint code take.
+
+A strategy *builds* a ``Layout`` (``strategy.layout``); the code that places batches, compiles steps
+or restores checkpoints reads only the layout, never a strategy's private members, so the imports
+run one way: ``layout`` <- ``input`` / ``step`` <- ``strategy`` <- ``fit`` / ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxdist import replica
+from jaxdist._types import PyTree
+
+
+def _identity_step(fn: Callable) -> Callable:
+    return fn
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """The mesh, the axes the batch is split over, and where state and batches are placed.
+
+    Attributes:
+      mesh: the device mesh every replica belongs to.
+      data_axes: mesh axes the global batch (and the replicas) span, in mesh order; ``()`` for a
+        single replica without a mesh axis.
+      state_sharding: where one state leaf lives between steps (default: a copy on every replica).
+      adapt_step: wraps a user's global-view step for where the state lives (default: as it is).
+      implementation, pack_bytes, compress: the cross-device options ``jaxdist.all_reduce`` uses.
+
+    >>> import jax
+    >>> from jaxdist import mesh
+    >>> lay = Layout(mesh.local_mesh(jax.devices()[:1]), ("data",))
+    >>> lay.num_replicas, lay.batch.spec
+    (1, P('data',))
+    """
+
+    mesh: Mesh
+    data_axes: tuple[str, ...]
+    state_sharding: Callable[[Any], jax.sharding.Sharding] | None = None
+    adapt_step: Callable[[Callable], Callable] = _identity_step
+    implementation: str = "xla"
+    pack_bytes: int | None = None
+    compress: str | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        return self.mesh.devices.size
+
+    @functools.cached_property
+    def replicated(self) -> NamedSharding:
+        """A full copy on every device of the mesh."""
+        return NamedSharding(self.mesh, jax.P())
+
+    @functools.cached_property
+    def batch(self) -> NamedSharding:
+        """The first axis split over ``data_axes`` (a global batch, or a stack of per-replica values)."""
+        return NamedSharding(self.mesh, jax.P(self.data_axes))
+
+    @functools.cached_property
+    def local_devices(self) -> tuple[jax.Device, ...]:
+        """The mesh's devices owned by this process, in replica order."""
+        me = jax.process_index()
+        return tuple(d for d in self.mesh.devices.flat if d.process_index == me)
+
+    @functools.cached_property
+    def _contexts(self) -> dict[bool, replica.ReplicaContext]:
+        return {per_replica: replica.ReplicaContext(
+            axes=self.data_axes, num_replicas=self.num_replicas, per_replica=per_replica,
+            implementation=self.implementation, pack_bytes=self.pack_bytes,
+            compress=self.compress) for per_replica in (False, True)}
+
+    def context(self, per_replica: bool) -> replica.ReplicaContext:
+        """The replica context user code is traced in (per-replica view or global view)."""
+        return self._contexts[per_replica]
+
+    # --- placement ------------------------------------------------------------------------------
+    def leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
+        """Where one state leaf lives between steps."""
+        return self.replicated if self.state_sharding is None else self.state_sharding(leaf)
+
+    def state_shardings(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(self.leaf_sharding, tree)
+
+    def is_placed(self, tree: PyTree) -> bool:
+        """True when every leaf already lives where state lives: the steady state of a loop, a
+        step's output fed straight back in. Much cheaper than rebuilding the tree."""
+        return all(isinstance(x, jax.Array) and x.sharding is self.leaf_sharding(x)
+                   for x in jax.tree.leaves(tree))
+
+    def put_state(self, tree: PyTree) -> PyTree:
+        """Every leaf placed where state lives; leaves already there are kept (a step may donate
+        them), any other leaf is copied so that the caller's own arrays stay valid."""
+        if self.is_placed(tree):
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = [self.leaf_sharding(x) for x in leaves]
+        return jax.tree.unflatten(treedef, [
+            x if placed_on(x, t) else _placed_copy(x, t) for x, t in zip(leaves, targets)])
+
+    def put_replicated(self, tree: PyTree) -> PyTree:
+        """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
+        return place_all(tree, self.replicated)
+
+    def put_batch(self, batch: PyTree) -> PyTree:
+        """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same
+        values on every process); leaves already there are kept."""
+        if all(placed_on(x, self.batch) for x in jax.tree.leaves(batch)):
+            return batch
+        check_batch_leaves(batch, self.num_replicas, what="batch")
+        return place_all(batch, self.batch)
+
+
+def placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
+
+
+def _device_put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    if (isinstance(x, jax.Array) and x.is_fully_addressable
+            and not sharding.is_fully_addressable):
+        # A value living on this process alone (a local result, say) placed on a mesh that spans
+        # several processes: JAX does not move arrays across hosts, but every process holds the
+        # same value, so each contributes its own copy.
+        x = np.asarray(x)
+    return jax.device_put(x, sharding)
+
+
+def place_all(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
+    """Every leaf of ``tree`` on ``sharding``; leaves already there are kept as they are."""
+    return jax.tree.map(lambda x: x if placed_on(x, sharding) else _device_put(x, sharding), tree)
+
+
+def _placed_copy(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` placed on ``sharding`` in buffers of its own.
+
+    The placed copy is donated by the next step, so it must not share a buffer with the caller's
+    array: ``device_put`` reuses the source buffer for the shard on the source's device even with
+    ``may_alias=False`` when it replicates (seen on jax 0.10.2), hence the explicit copy.
+    """
+    goes_through_host = (isinstance(x, jax.Array) and x.is_fully_addressable
+                         and not sharding.is_fully_addressable)
+    if isinstance(x, jax.Array) and not goes_through_host:
+        x = jnp.array(x, copy=True)
+    return _device_put(x, sharding)
+
+
+def _path_str(path) -> str:
+    return "data" + "".join(str(k) for k in path)
+
+
+def check_batch_leaves(tree: PyTree, num_replicas: int, *, what: str) -> int:
+    """Checks that every leaf is an array with the same leading dimension; returns it.
+
+    Raises:
+      ValueError: naming the offending leaf and its shape/type.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not flat:
+        raise ValueError(f"{what} has no array leaves; expected e.g. (x, y) or {{'x': x, 'y': y}}")
+    sizes = {}
+    for path, leaf in flat:
+        if not isinstance(leaf, (np.ndarray, jax.Array)) or np.ndim(leaf) == 0:
+            kind = type(leaf).__name__ if not hasattr(leaf, "shape") else f"a scalar of shape {leaf.shape}"
+            raise ValueError(
+                f"{what} leaf {_path_str(path)} is {kind}; every leaf must be a numpy or jax array "
+                "whose first axis indexes examples (convert lists with np.asarray)")
+        sizes[_path_str(path)] = np.shape(leaf)[0]
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{what} leaves have different leading (example) dimensions: {sizes}; "
+                         "every leaf must have one row per example")
+    n = next(iter(sizes.values()))
+    if what == "batch" and n % num_replicas:
+        raise ValueError(
+            f"batch has {n} examples, which does not divide over {num_replicas} replicas; use "
+            f"strategy.distribute(data, global_batch_size) (it pads the last batch with a mask) or a "
+            f"batch size that is a multiple of {num_replicas}")
+    return n

@@ -1,0 +1,335 @@
+"""The per-replica view: ``strategy.run`` and reading its ``PerReplica`` results.
+
+``run`` traces the user's function once per replica under ``jax.shard_map`` and returns the
+function's own output structure with a ``PerReplica`` in place of each array, as tf.distribute does.
+A ``PerReplica`` is a stack whose leading axis is sharded over the replicas, so feeding it back into
+``run`` splits it with no copy at all: the state of a per-replica loop never leaves the devices, and
+under several processes never crosses hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxdist import replica
+from jaxdist._types import PyTree
+from jaxdist.layout import Layout
+from jaxdist.replica import ReduceOp
+from jaxdist.step import InFlight, returns_state
+from jaxdist.values import Batch, PerReplica, is_per_replica
+
+logger = logging.getLogger(__name__)
+
+_REP, _SPLIT, _PER, _STATIC = "replicated", "split", "per_replica", "static"
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _is_distributed(x: Any) -> bool:
+    return isinstance(x, (PerReplica, Batch))
+
+
+class RunCache:
+    """The compiled per-replica functions of one strategy, and its steps in flight.
+
+    Entries are keyed on the user's function the way ``jax.jit`` keys its cache: by the function
+    object, held weakly, so a cache never keeps a user's closure (and what it captured) alive. A
+    bound method is keyed on its instance (weakly) and its function, so ``run(self.step, ...)``
+    compiles once although every attribute access makes a new method object. The compiled code
+    reaches the user's function through the same weak reference.
+    """
+
+    def __init__(self, max_in_flight: int = 8):
+        self._by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.in_flight = InFlight(max_in_flight)
+
+    @staticmethod
+    def _split(fn: Callable) -> tuple[Any, Callable | None]:
+        if inspect.ismethod(fn):
+            return fn.__self__, fn.__func__
+        return fn, None
+
+    def lookup(self, fn: Callable, key: Any, build: Callable[[Callable[[], Callable]], Any]):
+        """The entry for ``(fn, key)``, built by ``build(get_fn)`` on a miss."""
+        owner, func = self._split(fn)
+        try:
+            per_owner = self._by_owner.setdefault(owner, {})
+        except TypeError:  # an object that cannot be weakly referenced: compile, do not keep
+            return build(lambda: fn)
+        entry = per_owner.get((func, key))
+        if entry is None:
+            ref = weakref.ref(owner)
+            get_fn = (lambda: ref()) if func is None else (lambda: func.__get__(ref()))
+            entry = per_owner[(func, key)] = build(get_fn)
+        return entry
+
+
+def _classify(layout: Layout, top: Any) -> tuple[str, Any]:
+    if isinstance(top, PerReplica):
+        return _PER, _check_stack(layout, top.stacked)
+    if isinstance(top, Batch):
+        return _SPLIT, layout.put_batch(top)
+    if isinstance(top, _ARRAY_TYPES) or hasattr(top, "__jax_array__"):
+        # Copied to every replica, as tf.distribute does with plain tensors: guessing from an
+        # array's sharding would split state that merely happens to lie on the batch axis.
+        return _REP, layout.put_replicated(top)
+    try:
+        hash(top)
+    except TypeError:
+        raise TypeError(
+            f"strategy.run got an argument leaf of type {type(top).__name__} that is neither an "
+            "array nor hashable; pass arrays (or pytrees of them), or hashable Python values, which "
+            "are compiled in as constants") from None
+    return _STATIC, top
+
+
+def _check_stack(layout: Layout, stacked: PyTree) -> PyTree:
+    n = layout.num_replicas
+    for leaf in jax.tree.leaves(stacked):
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
+            raise ValueError(
+                f"a PerReplica value holds a leaf of shape {np.shape(leaf)}, but this strategy has "
+                f"{n} replicas, so its leading axis must be {n}; was it made by another strategy?")
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding == layout.batch
+                        else jax.device_put(x, layout.batch), stacked)
+
+
+def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict) -> PyTree:
+    """``strategy.run``: ``fn`` once per replica under ``jax.shard_map`` (``check_vma=False``).
+
+    ``check_vma=False`` matters: with it on, JAX marks replicated parameters as varying inside the
+    map and the transpose of that is a psum, so ``jax.grad`` would already return gradients summed
+    over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
+    """
+    compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
+    with replica.enter(layout.context(per_replica=True)):
+        out = compiled(*values)
+    if keeps_state:
+        cache.in_flight.add(out[1], out[0])
+    else:
+        cache.in_flight.add(out, ())
+    return jax.tree.map(PerReplica, out)
+
+
+def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None):
+    """The per-replica program ``strategy.run(fn, args, kwargs)`` runs, lowered, not executed.
+
+    For inspection, as ``jax.jit(f).lower(...)``: ``.as_text()``, ``.compile().as_text()``,
+    ``.compile().cost_analysis()``.
+
+    >>> import jax, jaxdist
+    >>> s = jaxdist.MirroredStrategy(jax.devices()[:1])
+    >>> "all_reduce" in lower(s, lambda v: jaxdist.all_reduce(v, "sum"), args=(1.0,)).as_text()
+    True
+    """
+    layout = strategy.layout
+    compiled, _, values = _prepare(layout, strategy._run_cache, fn, tuple(args), kwargs or {})
+    with replica.enter(layout.context(per_replica=True)):
+        return compiled.lower(*values)
+
+
+def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict):
+    """Places the arguments and finds (or compiles) the per-replica program for them."""
+    if not callable(fn):
+        raise TypeError(f"strategy.run(fn, ...) expects a callable, got {type(fn).__name__}")
+    args = tuple(args)
+    tops, treedef = jax.tree.flatten((args, dict(kwargs)), is_leaf=_is_distributed)
+    num_first = len(jax.tree.leaves(args[0], is_leaf=_is_distributed)) if args else 0
+    kinds, values, statics = [], [], []
+    for top in tops:
+        kind, value = _classify(layout, top)
+        kinds.append(kind)
+        (statics if kind == _STATIC else values).append(value)
+    key = (treedef, tuple(kinds), tuple(statics), num_first)
+    compiled, keeps_state = cache.lookup(fn, key, lambda get_fn: _compile(
+        layout, get_fn, treedef, tuple(kinds), tuple(statics), num_first, values))
+    return compiled, keeps_state, values
+
+
+def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tuple[str, ...],
+             statics: tuple, num_first: int, values: list) -> tuple[Callable, bool]:
+    split = jax.P(layout.data_axes)
+    traced_returns_state = []
+
+    def body(*vals):
+        vals, consts = iter(vals), iter(statics)
+        tops = []
+        for kind in kinds:
+            if kind == _STATIC:
+                tops.append(next(consts))
+            elif kind == _PER:
+                tops.append(jax.tree.map(lambda x: x[0], next(vals)))
+            else:
+                tops.append(next(vals))
+        args, kwargs = jax.tree.unflatten(treedef, tops)
+        out = get_fn()(*args, **kwargs)
+        traced_returns_state.append(bool(args) and returns_state(args[0], out))
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+
+    in_specs = tuple(jax.P() if k == _REP else split for k in kinds if k != _STATIC)
+    mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=split,
+                           check_vma=False)
+    with replica.enter(layout.context(per_replica=True)):
+        jax.eval_shape(mapped, *values)
+    keeps_state = traced_returns_state[-1]
+    # The per-replica state (the PerReplica leaves of the first argument) is donated when the
+    # function hands back a new state in its place: its buffers hold the new state.
+    value_kinds = [k for k in kinds if k != _STATIC]
+    first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
+    donate = tuple(i for i in range(first_values) if value_kinds[i] == _PER) if keeps_state else ()
+    return jax.jit(mapped, donate_argnums=donate), keeps_state
+
+
+# --- reading per-replica values --------------------------------------------------------------------
+
+def _split_nest(value: PyTree):
+    leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+    return leaves, treedef, [i for i, x in enumerate(leaves) if isinstance(x, PerReplica)]
+
+
+def _plain_reduce(layout: Layout, op: ReduceOp, x: Any, axis: int | None):
+    """``reduce`` of a value that is the same on every replica."""
+    if axis is not None:
+        return (jnp.sum if op is ReduceOp.SUM else jnp.mean)(x, axis=axis)
+    if op is ReduceOp.SUM and layout.num_replicas > 1:
+        raise ValueError(
+            "strategy.reduce('sum', value) got a value that is not per-replica, so summing it "
+            f"over {layout.num_replicas} replicas is ambiguous; pass the PerReplica values "
+            "returned by strategy.run, or use 'mean'")
+    return x
+
+
+def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) -> PyTree:
+    op = ReduceOp.parse(op)
+    leaves, treedef, per = _split_nest(value)
+    if not per:
+        return jax.tree.map(lambda x: _plain_reduce(layout, op, x, axis), value)
+    reduced = _reduce_stacked(op.value, axis, layout.replicated, [leaves[i].stacked for i in per])
+    out = [_plain_reduce(layout, op, x, axis) if not isinstance(x, PerReplica) else None
+           for x in leaves]
+    for i, r in zip(per, reduced):
+        out[i] = r
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
+    def one(x):
+        if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
+            raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
+                             f"of shape {x.shape[1:]}; use axis=None to reduce across replicas only")
+        axes = (0,) if axis is None else (0, 1 + axis % (x.ndim - 1))
+        total = jnp.sum(x, axis=axes)
+        if op == "mean":
+            total = total / np.prod([x.shape[a] for a in axes])
+        return jax.lax.with_sharding_constraint(total, out_sharding)
+
+    return jax.tree.map(one, stacked)
+
+
+def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"strategy.gather(value, axis) needs an int axis, got {axis!r}")
+    leaves, treedef, per = _split_nest(value)
+    if len(per) < len(leaves) and layout.num_replicas > 1:
+        raise ValueError(
+            f"strategy.gather got a value that is not per-replica; with {layout.num_replicas} "
+            "replicas only the PerReplica values returned by strategy.run can be gathered")
+    gathered = _gather_stacked(int(axis), layout.replicated, [leaves[i].stacked for i in per])
+    out = list(leaves)
+    for i, g in zip(per, gathered):
+        out[i] = g
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _gather_stacked(axis: int, out_sharding: NamedSharding, stacked):
+    def one(x):
+        ndim = x.ndim - 1
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"strategy.gather(axis={axis}) is out of range for per-replica values of shape "
+                f"{x.shape[1:]}" + ("; a scalar per replica has no axis to concatenate along: "
+                                    "gather x[None] instead, or use strategy.local_results"
+                                    if ndim == 0 else ""))
+        a = axis % ndim
+        moved = jnp.moveaxis(x, 0, a)  # (..., replicas, rows, ...): replicas outermost of the two
+        shape = moved.shape[:a] + (moved.shape[a] * moved.shape[a + 1],) + moved.shape[a + 2:]
+        return jax.lax.with_sharding_constraint(moved.reshape(shape), out_sharding)
+
+    return jax.tree.map(one, stacked)
+
+
+def local_results(layout: Layout, value: PyTree) -> tuple:
+    leaves, treedef, per = _split_nest(value)
+    if not per:
+        return (value,)
+    devices = layout.local_devices
+    columns: dict[int, list] = {}
+    for i in per:
+        arrays, sub = jax.tree.flatten(leaves[i].stacked)
+        shards = [{s.device: s.data for s in a.addressable_shards} for a in arrays]
+        columns[i] = [jax.tree.unflatten(sub, [by_device[d][0] for by_device in shards])
+                      for d in devices]
+    return tuple(jax.tree.unflatten(treedef, [columns[i][r] if i in columns else x
+                                              for i, x in enumerate(leaves)])
+                 for r in range(len(devices)))
+
+
+def to_mirrored(layout: Layout, value: PyTree, *, check: bool = False) -> PyTree:
+    leaves, treedef, per = _split_nest(value)
+    stacks = [_check_stack(layout, leaves[i].stacked) for i in per]
+    if check and stacks:
+        _check_agree(layout, treedef, leaves, per, stacks)
+    mirrored = _unstack(layout.mesh, layout.data_axes)(stacks)
+    out = [layout.put_replicated(x) if not isinstance(x, PerReplica) else None for x in leaves]
+    for i, m in zip(per, mirrored):
+        out[i] = m
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=32)
+def _unstack(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> Callable:
+    """Each device's own entry of a per-replica stack becomes its copy of a replicated array.
+
+    ``out_specs=P()`` with ``check_vma=False`` declares the outputs replicated without checking:
+    no collective runs, each device keeps what it has. Callers vouch that the entries agree.
+    """
+    return jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda x: x[0], t), mesh=mesh,
+                                 in_specs=jax.P(data_axes), out_specs=jax.P(), check_vma=False))
+
+
+@jax.jit
+def _agree(stacks):
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):  # bitwise, so that NaN agrees with NaN
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        return jnp.all(x == x[:1])
+
+    return [one(x) for x in jax.tree.leaves(stacks)]
+
+
+def _check_agree(layout, treedef, leaves, per, stacks) -> None:
+    flags = [bool(f) for f in jax.device_get(_agree(stacks))]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(treedef, leaves), is_leaf=is_per_replica)[0]]
+    flat_paths = []
+    for i, stacked in zip(per, stacks):
+        for sub, _ in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+            flat_paths.append(paths[i] + jax.tree_util.keystr(sub))
+    bad = [p or "value" for p, ok in zip(flat_paths, flags) if not ok]
+    if bad:
+        raise ValueError(
+            f"strategy.to_mirrored(check=True): the {layout.num_replicas} replicas hold different "
+            f"values for {bad}; only values every replica agrees on (all-reduced) can be mirrored. "
+            "Reduce them with jaxdist.all_reduce inside the step, or read them with "
+            "strategy.reduce / strategy.gather instead")
