@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from jaxdist import replica
 from jaxdist._types import PyTree
-from jaxdist.layout import Layout
+from jaxdist.layout import Layout, place_all
 from jaxdist.replica import ReduceOp
 from jaxdist.step import InFlight, returns_state
 from jaxdist.values import Batch, PerReplica, is_per_replica
@@ -99,8 +99,7 @@ def _check_stack(layout: Layout, stacked: PyTree) -> PyTree:
             raise ValueError(
                 f"a PerReplica value holds a leaf of shape {np.shape(leaf)}, but this strategy has "
                 f"{n} replicas, so its leading axis must be {n}; was it made by another strategy?")
-    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding == layout.batch
-                        else jax.device_put(x, layout.batch), stacked)
+    return place_all(stacked, layout.batch)
 
 
 def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict) -> PyTree:

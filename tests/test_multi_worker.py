@@ -104,3 +104,26 @@ def test_the_multi_worker_example_runs_under_launch(tmp_path):
     assert "[0] 2 processes x 2 devices: test accuracy" in res.output
     assert "[1] 2 processes x 2 devices" not in res.output  # only process 0 prints
     assert not (tmp_path / "b").exists()  # deleted on success
+
+
+def test_readme_per_replica_loop_same_parameters_on_1_8_and_2x2_processes(tmp_path):
+    script = os.path.join(REPO, "tests", "_mp_scripts", "per_replica_loop.py")
+    runs = {}
+    for n in (1, 8):
+        out = tmp_path / f"one_x{n}.npz"
+        proc = run_python([script, str(out)], timeout=240, devices=n)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[f"1x{n}"] = np.load(out)
+    out = tmp_path / "two_x2.npz"
+    res = launch.run([script, str(out)], num_processes=2, devices_per_process=2, timeout_s=300,
+                     grace_period_s=10, env=ENV, cwd=REPO)
+    assert res.returncode == 0, res.output[-3000:]
+    assert "process 1: 10 steps on 4 replicas" in res.output
+    runs["2x2"] = np.load(out)
+    assert [int(r["replicas"]) for r in runs.values()] == [1, 8, 4]
+    ref = runs["1x1"]
+    for name, r in runs.items():
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=name)
+        for k in ref.files:
+            if k.startswith("arr_"):
+                np.testing.assert_allclose(r[k], ref[k], rtol=2e-5, atol=2e-6, err_msg=f"{name} {k}")
