@@ -8,6 +8,7 @@ partitioner must be free to choose intermediate shardings.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import jax
@@ -60,3 +61,64 @@ def host_local_mesh(devices: Sequence[jax.Device], num_hosts: int) -> Mesh:
     else:
         grid = np.asarray(devices, dtype=object).reshape(num_hosts, n // num_hosts)
     return Mesh(grid, (HOST_AXIS, LOCAL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+_DEVICE_SPEC = re.compile(
+    r"^(?:/job:[\w-]+)?(?:/replica:\d+)?(?:/task:(?P<task>\d+))?"
+    r"(?:/device:|/)?(?P<kind>cpu|gpu|tpu):(?P<index>\d+)$", re.IGNORECASE)
+
+
+def _tf_names(devices: Sequence[jax.Device]) -> list[str]:
+    """tf's local names: the kind, then the index among this process's devices of that kind."""
+    seen: dict[str, int] = {}
+    names = []
+    for d in devices:
+        kind = d.platform if d.platform in ("cpu", "tpu") else "gpu"
+        names.append(f"/{kind}:{seen.setdefault(kind, 0)}")
+        seen[kind] += 1
+    return names
+
+
+def _parse_device_string(spec: str) -> re.Match:
+    m = _DEVICE_SPEC.match(spec.strip()) if isinstance(spec, str) else None
+    if m is None:
+        raise ValueError(
+            f"cannot read the device string {spec!r}; use tf.distribute's forms such as '/gpu:0', "
+            "'/device:GPU:0', 'CPU:0' or '/job:worker/replica:0/task:1/device:GPU:0', or pass "
+            "jax.Device objects (jax.devices()[0])")
+    return m
+
+
+def check_device_string(spec: str) -> str:
+    """Checks the form of a tf.distribute device string without starting JAX's backend."""
+    _parse_device_string(spec)
+    return spec
+
+
+def device_from_string(spec: str) -> jax.Device:
+    """Resolves a tf.distribute device string (``"/gpu:0"``, ``"/device:GPU:1"``, ``"CPU:0"``,
+    ``"/job:worker/replica:0/task:1/device:GPU:0"``) to a JAX device.
+
+    The index counts the devices of that kind owned by the task (this process when no task is
+    named), as tf's local device names do.
+
+    Raises:
+      ValueError: a string of another form, or no such device; the message lists the devices there
+        are.
+
+    >>> device_from_string("/cpu:0") == jax.local_devices(backend="cpu")[0]
+    True
+    """
+    m = _parse_device_string(spec)
+    kind, index = m["kind"].lower(), int(m["index"])
+    task = jax.process_index() if m["task"] is None else int(m["task"])
+    try:
+        candidates = [d for d in jax.devices(kind) if d.process_index == task]
+    except RuntimeError:
+        candidates = []
+    if index >= len(candidates):
+        there = ", ".join(_tf_names(jax.local_devices())) or "none"
+        raise ValueError(
+            f"no device {spec!r}: task {task} has {len(candidates)} {kind.upper()} device(s); "
+            f"this process has: {there}")
+    return candidates[index]

@@ -47,11 +47,11 @@ def test_hierarchical_builds_a_host_local_mesh():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(cross_device_ops="nccl"), ValueError, r"cross_device_ops='nccl'.*'xla', 'ring'"),
+    (dict(cross_device_ops="nccl2"), ValueError, r"cross_device_ops='nccl2'.*'xla', 'ring'"),
     (dict(pack_bytes=-1), ValueError, r"pack_bytes=-1"),
     (dict(compress="fp8"), ValueError, r"compress='fp8'"),
     (dict(devices=[]), ValueError, r"got no devices"),
-    (dict(devices=["cpu:0"]), TypeError, r"expects jax.Device objects"),
+    (dict(devices=[0]), TypeError, r"expects jax.Device objects"),
 ])
 def test_bad_strategy_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxdist import mesh as mesh_lib
 from jaxdist import per_replica
 from jaxdist._types import PyTree
 from jaxdist.input import DistributedDataset
@@ -82,7 +83,7 @@ class MeshStrategy(Strategy):
     def _data_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return tuple(mesh.axis_names)
 
-    def _layout_hooks(self) -> dict[str, Any]:
+    def _layout_hooks(self, mesh: Mesh) -> dict[str, Any]:
         """Where state lives between steps and how a step is adapted to it (mirrored: defaults)."""
         return {}
 
@@ -92,7 +93,7 @@ class MeshStrategy(Strategy):
         """Where this strategy keeps state and batches: mesh, data axes, shardings, step adapter."""
         mesh = self._build_mesh()
         return Layout(mesh, self._data_axes(mesh), implementation=self._implementation,
-                      pack_bytes=self._pack_bytes, compress=self._compress, **self._layout_hooks())
+                      pack_bytes=self._pack_bytes, compress=self._compress, **self._layout_hooks(mesh))
 
     @property
     def mesh(self) -> Mesh:
@@ -242,16 +243,30 @@ class MeshStrategy(Strategy):
         return per_replica.to_mirrored(self.layout, value, check=check)
 
 
-def resolve_devices(devices: Sequence[jax.Device] | None, what: str) -> tuple[jax.Device, ...]:
-    """Validates an explicit device list (or returns this process's devices for None)."""
+def resolve_devices(devices: Sequence[jax.Device | str] | None, what: str, *,
+                    lazy: bool = False) -> tuple[jax.Device, ...]:
+    """Validates an explicit device list (or returns this process's devices for None).
+
+    Entries are ``jax.Device`` objects or tf.distribute device strings (``"/gpu:0"``). With
+    ``lazy`` (at construction) strings are only checked for form and kept: resolving them starts
+    JAX's backend, which must wait for ``jaxdist.initialize()``.
+    """
     if devices is None:
         return tuple(jax.local_devices())
+    if isinstance(devices, (str, jax.Device)):
+        raise TypeError(f"{what}(devices=...) expects a list of devices, got one {devices!r}: "
+                        f"wrap it in a list")
     devices = tuple(devices)
     if not devices:
         raise ValueError(f"{what}(devices=()) got no devices; pass None for all local devices")
+    devices = tuple((mesh_lib.check_device_string(d) if lazy else mesh_lib.device_from_string(d))
+                    if isinstance(d, str) else d for d in devices)
+    if lazy and any(isinstance(d, str) for d in devices):
+        return devices
     if not all(isinstance(d, jax.Device) for d in devices):
         bad = [type(d).__name__ for d in devices if not isinstance(d, jax.Device)]
-        raise TypeError(f"{what}(devices=...) expects jax.Device objects (e.g. jax.devices()[:4]), "
+        raise TypeError(f"{what}(devices=...) expects jax.Device objects (e.g. jax.devices()[:4]) "
+                        "or device strings ('/gpu:0'), "
                         f"got {bad}")
     if len(set(devices)) != len(devices):
         raise ValueError(f"{what}(devices=...) lists a device more than once: {list(devices)}")

@@ -43,7 +43,7 @@ class CentralStorageStrategy(MeshStrategy):
     def __post_init__(self):
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices,
-                                                                "CentralStorageStrategy"))
+                                                                "CentralStorageStrategy", lazy=True))
 
     def _build_mesh(self) -> Mesh:
         return mesh_lib.local_mesh(resolve_devices(self.devices, "CentralStorageStrategy"))
@@ -67,7 +67,7 @@ class CentralStorageStrategy(MeshStrategy):
         return {True: NamedSharding(self.mesh, jax.P(self.layout.data_axes), memory_kind=kind),
                 False: NamedSharding(self.mesh, jax.P(), memory_kind=kind)}
 
-    def _layout_hooks(self) -> dict[str, Any]:
+    def _layout_hooks(self, mesh: Mesh) -> dict[str, Any]:
         return {"state_sharding": self._leaf_sharding, "adapt_step": self._wrap_step}
 
     def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:

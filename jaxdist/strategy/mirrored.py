@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -13,14 +14,26 @@ from jaxdist import mesh as mesh_lib
 from jaxdist.strategy.base import MeshStrategy, resolve_devices
 
 
+ALIASES = {"auto": "xla", "nccl": "xla"}
+"""tf.distribute's names for XLA's own all-reduce: ``"auto"`` (tf's default, ``cross_device_ops=None``:
+the best the platform has) and ``"nccl"`` (tf's ``NcclAllReduce``). XLA lowers its all-reduce to
+NCCL on GPUs, to ICI collectives on TPUs and to in-process (or gloo, across processes) reductions
+on CPUs, so both are ``"xla"``; ``"nccl"`` on devices other than GPUs logs a warning."""
+
+logger = logging.getLogger(__name__)
+
+
 def check_cross_device_options(strategy) -> None:
     """Validates ``cross_device_ops`` / ``pack_bytes`` / ``compress`` of a mirrored-style strategy."""
+    impl = strategy.cross_device_ops
     try:
-        collectives.check_options(strategy.cross_device_ops, strategy.pack_bytes, strategy.compress)
+        collectives.check_options(ALIASES.get(impl, impl) if isinstance(impl, str) else impl,
+                                  strategy.pack_bytes, strategy.compress)
     except ValueError as e:
         raise ValueError(
             f"{type(strategy).__name__}(cross_device_ops={strategy.cross_device_ops!r}, "
-            f"pack_bytes={strategy.pack_bytes!r}, compress={strategy.compress!r}): {e}") from None
+            f"pack_bytes={strategy.pack_bytes!r}, compress={strategy.compress!r}): {e} "
+            f"cross_device_ops also takes tf.distribute's {tuple(ALIASES)}.") from None
 
 
 class _CrossDeviceOptions:
@@ -28,7 +41,14 @@ class _CrossDeviceOptions:
 
     @property
     def _implementation(self) -> str:
-        return self.cross_device_ops
+        return ALIASES.get(self.cross_device_ops, self.cross_device_ops)
+
+    def _layout_hooks(self, mesh: Mesh) -> dict:
+        platforms = {d.platform for d in mesh.devices.flat}
+        if self.cross_device_ops == "nccl" and platforms != {"gpu"}:
+            logger.warning("cross_device_ops='nccl' on %s devices: NCCL needs GPUs, so XLA's own "
+                           "all-reduce is used (the same numbers)", "/".join(sorted(platforms)))
+        return super()._layout_hooks(mesh)
 
     @property
     def _pack_bytes(self) -> int | None:
@@ -67,7 +87,8 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
 
     def __post_init__(self):
         if self.devices is not None:
-            object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy"))
+            object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy",
+                                                                lazy=True))
         check_cross_device_options(self)
 
     def _build_mesh(self) -> Mesh:
@@ -83,18 +104,25 @@ class OneDeviceStrategy(MeshStrategy):
     """Everything on one named device (``tf.distribute.OneDeviceStrategy``).
 
     Args:
-      device: the device (default: JAX's default device).
+      device: a ``jax.Device`` or a tf.distribute device string such as ``"/gpu:0"``
+        (default: JAX's default device).
     """
 
-    device: jax.Device | None = None
+    device: jax.Device | str | None = None
 
     def __post_init__(self):
-        if self.device is not None and not isinstance(self.device, jax.Device):
+        if isinstance(self.device, str):
+            mesh_lib.check_device_string(self.device)
+        elif self.device is not None and not isinstance(self.device, jax.Device):
             raise TypeError(f"OneDeviceStrategy(device=...) expects a jax.Device such as "
-                            f"jax.devices()[0], got {type(self.device).__name__}")
+                            f"jax.devices()[0] or a device string such as '/gpu:0', got "
+                            f"{type(self.device).__name__}")
 
     def _build_mesh(self) -> Mesh:
-        return mesh_lib.local_mesh([self.device or jax.devices()[0]])
+        device = self.device
+        if isinstance(device, str):
+            device = mesh_lib.device_from_string(device)
+        return mesh_lib.local_mesh([device or jax.devices()[0]])
 
 
 @dataclasses.dataclass(frozen=True)
