@@ -69,6 +69,8 @@ def test_one_device_and_default():
     assert s.put({"w": np.ones(2)})["w"].devices() == {d}
     assert jaxdist.DefaultStrategy().num_replicas_in_sync == 1
     with pytest.raises(TypeError, match="expects a jax.Device"):
+        jaxdist.OneDeviceStrategy(3)
+    with pytest.raises(ValueError, match="cannot read the device string 'cpu'"):
         jaxdist.OneDeviceStrategy("cpu")
 
 
