@@ -104,8 +104,12 @@ class Layout:
             return tree
         leaves, treedef = jax.tree.flatten(tree)
         targets = [self.leaf_sharding(x) for x in leaves]
+        # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
+        # next step may donate it. A user's array on an equivalent sharding (a single-device array
+        # on a one-device mesh) is copied, or donation would delete the caller's own array.
         return jax.tree.unflatten(treedef, [
-            x if placed_on(x, t) else _placed_copy(x, t) for x, t in zip(leaves, targets)])
+            x if isinstance(x, jax.Array) and x.sharding == t else _placed_copy(x, t)
+            for x, t in zip(leaves, targets)])
 
     def put_replicated(self, tree: PyTree) -> PyTree:
         """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
