@@ -50,7 +50,23 @@ class RunCache:
 
     def __init__(self, max_in_flight: int = 8):
         self._by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_id: dict[int, tuple[weakref.ref, dict]] = {}  # owners that are not hashable
         self.in_flight = InFlight(max_in_flight)
+
+    def _entries(self, owner: Any) -> dict | None:
+        try:
+            return self._by_owner.setdefault(owner, {})
+        except TypeError:  # unhashable (a mutable dataclass, say): keyed on identity instead
+            pass
+        key = id(owner)
+        found = self._by_id.get(key)
+        if found is None or found[0]() is not owner:
+            try:
+                ref = weakref.ref(owner, lambda _, key=key: self._by_id.pop(key, None))
+            except TypeError:  # cannot be weakly referenced: compile, do not keep
+                return None
+            found = self._by_id[key] = (ref, {})
+        return found[1]
 
     @staticmethod
     def _split(fn: Callable) -> tuple[Any, Callable | None]:
@@ -61,9 +77,8 @@ class RunCache:
     def lookup(self, fn: Callable, key: Any, build: Callable[[Callable[[], Callable]], Any]):
         """The entry for ``(fn, key)``, built by ``build(get_fn)`` on a miss."""
         owner, func = self._split(fn)
-        try:
-            per_owner = self._by_owner.setdefault(owner, {})
-        except TypeError:  # an object that cannot be weakly referenced: compile, do not keep
+        per_owner = self._entries(owner)
+        if per_owner is None:
             return build(lambda: fn)
         entry = per_owner.get((func, key))
         if entry is None:
@@ -289,7 +304,7 @@ def to_mirrored(layout: Layout, value: PyTree, *, check: bool = False) -> PyTree
     stacks = [_check_stack(layout, leaves[i].stacked) for i in per]
     if check and stacks:
         _check_agree(layout, treedef, leaves, per, stacks)
-    mirrored = _unstack(layout.mesh, layout.data_axes)(stacks)
+    mirrored = _unstack(layout.mesh, layout.data_axes)(stacks) if stacks else []
     out = [layout.put_replicated(x) if not isinstance(x, PerReplica) else None for x in leaves]
     for i, m in zip(per, mirrored):
         out[i] = m

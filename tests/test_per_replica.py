@@ -188,6 +188,29 @@ def test_run_of_a_bound_method_compiles_once(count_compiles):
     assert ref() is None
 
 
+def test_run_of_a_method_of_an_unhashable_object_compiles_once(count_compiles):
+    import dataclasses
+
+    @dataclasses.dataclass  # eq=True, so instances are not hashable
+    class Trainer:
+        scale: float = 2.0
+
+        def step(self, v):
+            return v * self.scale
+
+    s = _mirrored(2)
+    t = Trainer()
+    v = s.run(t.step, args=(jnp.float32(1),))
+    v = s.run(t.step, args=(v,))
+    with count_compiles() as compiles:
+        v = s.run(t.step, args=(v,))
+    assert compiles() == 0 and [float(r) for r in s.local_results(v)] == [8.0, 8.0]
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None and not s._run_cache._by_id
+
+
 def test_static_python_values_and_errors_in_run_arguments():
     s = _mirrored(2)
     out = s.run(lambda v, mode: v * (2 if mode == "double" else 3), args=(jnp.float32(1), "double"))
