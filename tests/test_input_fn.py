@@ -262,3 +262,28 @@ def test_global_view_step_sums_match_on_a_dataset_from_a_function():
         w, m = step(w, b)
         total += float(m["sum"])
     assert total == float(np.arange(29).sum())
+
+
+def test_per_replica_view_gives_replica_r_its_own_per_replica_batch():
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+
+    def fn(ctx):  # per-replica batch k holds k in every row
+        return [(np.full(3, k, np.int32),) for k in range(6)]
+
+    firsts = []
+    for b in s.distribute_datasets_from_function(fn):
+        out = s.run(lambda b: b.data[0][0] + 100 * jnp.sum(b.mask), args=(b,))
+        firsts.append([int(v) for v in s.local_results(out)])
+    # tf: replica r of step t gets the pipeline's batch 4 t + r; missing ones are all padding.
+    assert firsts == [[300, 301, 302, 303], [304, 305, 4, 4]]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxdist.DefaultStrategy(), lambda: jaxdist.OneDeviceStrategy(jax.devices()[1]),
+    lambda: jaxdist.CentralStorageStrategy(jax.devices()[:2])])
+def test_every_mesh_strategy_takes_an_input_function(make):
+    s = make()
+    ds = s.distribute_datasets_from_function(
+        lambda ctx: [(np.arange(i, min(i + 2, 7)),) for i in range(0, 7, 2)])
+    assert ds.input_context.num_replicas_in_sync == s.num_replicas_in_sync
+    assert sorted(_epoch(ds)[0]) == list(range(7))
