@@ -43,6 +43,8 @@ class DistributedDataset:
 
     Each ``iter()`` starts the next epoch (epochs reshuffle deterministically from the seed);
     ``iterator(epoch=, position=)`` starts anywhere, which is how a checkpointed run resumes exactly.
+    An iterable source is split between processes by ``auto_shard_policy``
+    (``jaxdist.AutoShardPolicy``); with ``FILE`` / ``OFF`` each process reads only its own stream.
     """
 
     def __init__(self, strategy: Any, data: Any, global_batch_size: int, *,
@@ -148,7 +150,8 @@ class DistributedDataset:
             raise RuntimeError("this process's devices do not hold a contiguous block of the batch")
         return slice(lo, hi)
 
-    def _host_batches(self, epoch: int, position: int, run: int) -> Iterator[_Host]:
+    def _host_batches(self, epoch: int, position: int, run: int,
+                      stop: threading.Event) -> Iterator[_Host]:
         gb, rows = self.global_batch_size, self._rows()
         if self._arrays is not None:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
@@ -159,7 +162,7 @@ class DistributedDataset:
             return
         source = self._iterable() if callable(self._iterable) else self._iterable
         if self.auto_shard_policy is not AutoShardPolicy.DATA:
-            yield from self._per_process(source, rows, position, run)
+            yield from self._per_process(source, rows, position, self._sync(run, stop))
             return
         emitted = 0  # position counts batches handed out, which skips dropped partial ones
         for k, item in enumerate(source):
@@ -177,17 +180,23 @@ class DistributedDataset:
             yield self._pad(np.arange(b), rows,
                             lambda i, item=item: jax.tree.map(lambda a: np.asarray(a)[i], item))
 
-    def _per_process(self, source: Any, rows: slice, position: int, run: int) -> Iterator[_Host]:
+    def _per_process(self, source: Any, rows: slice, position: int,
+                     sync: StepSync) -> Iterator[_Host]:
         """FILE / OFF: this process's own stream, regrouped into its rows of each global batch."""
         peers, me = pipelines(self.strategy.layout)
         if self.auto_shard_policy is AutoShardPolicy.FILE:
             source = source.shard(me, len(peers))
         local_rows = rows.stop - rows.start
-        sync = StepSync(f"{self._stream}/{run}", peers, self._sync_timeout_s)
         for item, total in synced(regroup(source, local_rows), sync, local_rows=local_rows,
                                   position=position,
                                   min_real=self.global_batch_size if self.drop_remainder else 0):
             yield _Host(item.local, item.mask, total)
+
+    def _sync(self, run: int, stop: threading.Event) -> StepSync:
+        """The exchange of iteration ``run`` (processes number their iterations alike)."""
+        return StepSync(f"{self._stream}/{run}", pipelines(self.strategy.layout)[0],
+                        self._sync_timeout_s, cancel=stop,
+                        previous=f"{self._stream}/{run - 1}" if run else None)
 
     def _pad(self, idx: np.ndarray, rows: slice, take: Callable) -> _Host:
         gb, real = self.global_batch_size, len(idx)
@@ -211,9 +220,10 @@ class _Producer:
     """The prefetch thread's side. It holds no reference to the iterator, so an iterator that is
     dropped is garbage-collected, and its ``__del__`` stops the thread."""
 
-    def __init__(self, batches: Iterator, to_device: Callable, capacity: int):
+    def __init__(self, batches: Iterator, to_device: Callable, capacity: int,
+                 stop: threading.Event):
         self.queue: queue.Queue = queue.Queue(maxsize=capacity)
-        self.stop = threading.Event()
+        self.stop = stop
         self._batches, self._to_device = batches, to_device
         self.thread = threading.Thread(target=self._run, name="jaxdist-prefetch", daemon=True)
         self.thread.start()
@@ -263,9 +273,9 @@ class DistributedIterator:
         self.last_num_real = 0
         # The run number is taken here, on the caller's thread, so that processes creating
         # iterators in the same order name the same exchange.
-        batches = dataset._host_batches(epoch, position, next(dataset._runs))
-        self._producer = _Producer(batches, dataset._to_device,
-                                   dataset._prefetch)
+        stop = threading.Event()
+        batches = dataset._host_batches(epoch, position, next(dataset._runs), stop)
+        self._producer = _Producer(batches, dataset._to_device, dataset._prefetch, stop)
 
     def __iter__(self):
         return self

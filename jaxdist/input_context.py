@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from jaxdist.input import DistributedDataset, _Host
-from jaxdist.input_local import StepSync, new_stream_name, per_replica, pipelines, rows_of, synced
+from jaxdist.input_local import new_stream_name, per_replica, pipelines, rows_of, synced
 
 __all__ = ["DatasetFromFunction", "InputContext"]
 
@@ -142,10 +143,11 @@ class DatasetFromFunction(DistributedDataset):
             source = self._call_fn()
         return iter(source)
 
-    def _host_batches(self, epoch: int, position: int, run: int) -> Iterator[_Host]:
+    def _host_batches(self, epoch: int, position: int, run: int,
+                      stop: threading.Event) -> Iterator[_Host]:
         items = self._epoch_items(epoch)
         size, num_local = self._per_replica, self._num_local
-        sync = StepSync(f"{self._stream}/{run}", self._peers, self._sync_timeout_s)
+        sync = self._sync(run, stop)
         for item, total in synced(per_replica(items, num_local, size), sync,
                                   local_rows=size * num_local, position=position, width=size):
             yield _Host(item.local, item.mask, total)

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -126,6 +127,10 @@ class InputSyncTimeoutError(TimeoutError):
     """Processes' input pipelines did not report a step in time (a missing or stalled process)."""
 
 
+class InputSyncCancelled(Exception):
+    """The iterator waiting for the other processes was closed."""
+
+
 def pipelines(layout: Layout) -> tuple[tuple[int, ...], int]:
     """The processes whose devices the mesh spans (one input pipeline each), and this one's index."""
     peers = tuple(sorted({d.process_index for d in layout.mesh.devices.flat}))
@@ -140,14 +145,23 @@ class StepSync:
     """Exchanges, for each step, how many real rows every input pipeline holds.
 
     One process (or a mesh within one process) needs no exchange. Otherwise every process of
-    ``peers`` publishes ``"<count> <width>"`` under ``<prefix>/<name>/<step>/<process>`` and reads
-    the others' entries, all within ``timeout_s`` per step.
+    ``peers`` publishes ``"<count> <width>"`` under ``<prefix>/<name>/<process>/<chunk>/<i>`` (step
+    ``chunk * 32 + i``) and reads the other processes' entries, all within ``timeout_s`` per step:
+    one write and one read per other process per step. A process deletes its own chunk ``c - 2``
+    when it starts chunk ``c`` (one deletion per 32 steps): by then every process has read it.
     """
 
-    def __init__(self, name: str, peers: Sequence[int], timeout_s: float):
+    _CHUNK = 32
+
+    def __init__(self, name: str, peers: Sequence[int], timeout_s: float, *,
+                 previous: str | None = None, cancel: threading.Event | None = None):
         self._peers, self._timeout_s = tuple(peers), float(timeout_s)
         self._me = jax.process_index()
         self._dir = f"{_KV_PREFIX}/{name}/"
+        # The previous exchange of the same dataset: once every process has reported step 0 of
+        # this one, all of them are done reading it, so this process's entries can go.
+        self._previous = None if previous is None else f"{_KV_PREFIX}/{previous}/{self._me}/"
+        self._cancel = cancel or threading.Event()
         self._client = None
         if len(self._peers) > 1:
             from jax._src import distributed  # the runtime's key-value client lives only here
@@ -156,16 +170,21 @@ class StepSync:
                 raise RuntimeError("the mesh spans several processes but JAX's distributed runtime "
                                    "is not running; call jaxdist.initialize() first")
 
+    def _key(self, p: int, step: int) -> str:
+        return f"{self._dir}{p}/{step // self._CHUNK}/{step % self._CHUNK}"
+
     def exchange(self, step: int, count: int, width: int = 0) -> list[int]:
         """Every pipeline's real-row count at ``step`` (in ``peers`` order)."""
         if self._client is None:
             return [count]
-        key = f"{self._dir}{step}/"
-        self._client.key_value_set(key + str(self._me), f"{count} {width}")
+        self._client.key_value_set(self._key(self._me, step), f"{count} {width}")
+        chunk, i = divmod(step, self._CHUNK)
+        if i == 0 and chunk >= 2:
+            self._client.key_value_delete(f"{self._dir}{self._me}/{chunk - 2}/")
         deadline = time.monotonic() + self._timeout_s
         counts, widths = [], {}
         for p in self._peers:
-            value = self._get(key, p, step, deadline)
+            value = f"{count} {width}" if p == self._me else self._get(p, step, deadline)
             if value.startswith("error"):
                 raise RuntimeError(
                     f"the input pipeline of process {p} failed at step {step} "
@@ -173,41 +192,54 @@ class StepSync:
             n, w = (int(v) for v in value.split())
             counts.append(n)
             widths[p] = w
+        if step == 0 and self._previous is not None:
+            self._client.key_value_delete(self._previous)
         if len(set(widths.values())) > 1:
             raise ValueError(
                 f"the input pipelines disagree on the per-replica batch size: {widths} (process: "
                 "rows); every process must batch with the same size. Fix: pass global_batch_size= "
                 "to distribute_datasets_from_function, or batch with "
                 "ctx.get_per_replica_batch_size(global_batch_size)")
-        if step >= 2:  # every process has read step - 2: it published step - 1 after reading it
-            self._client.key_value_delete(f"{self._dir}{step - 2}/{self._me}")
         return counts
 
-    def _get(self, key: str, p: int, step: int, deadline: float) -> str:
+    def _get(self, p: int, step: int, deadline: float) -> str:
         from jax.errors import JaxRuntimeError
 
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        while True:  # in slices of a second, so that a closed iterator's thread stops soon
+            left = deadline - time.monotonic()
+            try:
+                return self._client.blocking_key_value_get(
+                    self._key(p, step), max(1, int(min(left, 1.0) * 1000)))
+            except JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+                if self._cancel.is_set():
+                    raise InputSyncCancelled(f"input step {step}: iterator closed") from None
+                if left <= 1.0:
+                    missing = [q for q in self._peers if not self._arrived(q, step)]
+                    raise InputSyncTimeoutError(
+                        f"input step {step}: process(es) {missing} of {list(self._peers)} did not "
+                        f"report within {self._timeout_s:g} s whether their input pipelines still "
+                        "have data. Every process must iterate the same datasets in the same order "
+                        "(a dataset iterated on some processes only waits here); check the missing "
+                        "processes' logs, or raise sync_timeout_s for a slow pipeline.") from e
+
+    def _arrived(self, p: int, step: int) -> bool:
+        from jax.errors import JaxRuntimeError
+
         try:
-            return self._client.blocking_key_value_get(key + str(p), left_ms)
-        except JaxRuntimeError as e:
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
-            arrived = {int(k.rsplit("/", 1)[1]) for k, _ in self._client.key_value_dir_get(key)}
-            missing = [q for q in self._peers if q not in arrived]
-            raise InputSyncTimeoutError(
-                f"input step {step}: process(es) {missing} of {list(self._peers)} did not report "
-                f"within {self._timeout_s:g} s whether their input pipelines still have data. Every "
-                "process must iterate the same datasets in the same order (a dataset iterated on "
-                "some processes only waits here); check the missing processes' logs, or raise "
-                "sync_timeout_s for a slow pipeline.") from e
+            self._client.key_value_try_get(self._key(p, step))
+            return True
+        except JaxRuntimeError:
+            return False
 
     def fail(self, step: int, error: BaseException) -> None:
         """Tells the other processes this pipeline failed, so that they stop waiting for it."""
         if self._client is None:
             return
         try:
-            self._client.key_value_set(f"{self._dir}{step}/{self._me}",
-                                       f"error {type(error).__name__}", allow_overwrite=True)
+            self._client.key_value_set(self._key(self._me, step), f"error {type(error).__name__}",
+                                       allow_overwrite=True)
         except Exception:  # noqa: BLE001  the original error is the one worth raising
             logger.warning("could not tell the other processes that input step %d failed", step)
 
@@ -323,6 +355,8 @@ def synced(steps: Iterator[LocalStep], sync: StepSync, *, local_rows: int, posit
             emitted += 1
             if emitted > position:
                 yield item, total
+    except InputSyncCancelled:
+        return
     except Exception as e:
         sync.fail(step, e)
         raise
