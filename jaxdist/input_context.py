@@ -92,8 +92,7 @@ class DatasetFromFunction(DistributedDataset):
         self._num_local = len(layout.local_devices)
         self._fn = fn
         self._source = self._call_fn()
-        self._one_shot = iter(self._source) is self._source if isinstance(
-            self._source, Iterable) else False
+        self._one_shot = isinstance(self._source, Iterator)  # a generator object, say
         self._first: list = []  # an element read from a one-shot source to learn the batch size
         if global_batch_size is None:
             global_batch_size = self._infer_batch_size() * strategy.num_replicas_in_sync
@@ -111,12 +110,10 @@ class DatasetFromFunction(DistributedDataset):
         return source
 
     def _infer_batch_size(self) -> int:
-        if _is_grain_map_dataset(self._source):
-            first = next(iter(self._source), None)
-        elif self._one_shot:
+        if self._one_shot:
             first = next(self._source, None)
             self._first = [] if first is None else [first]
-        else:
+        else:  # a re-iterable: a fresh iterator reads the first batch and is dropped
             first = next(iter(self._source), None)
         if first is None:
             raise ValueError("this process's input pipeline is empty, so the per-replica batch "
