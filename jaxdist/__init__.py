@@ -17,6 +17,11 @@ from jaxdist.fit import evaluate as evaluate
 from jaxdist.fit import fit as fit
 from jaxdist.input import Batch as Batch
 from jaxdist.input import DistributedDataset as DistributedDataset
+from jaxdist.input_context import InputContext as InputContext
+from jaxdist.input_local import AutoShardPolicy as AutoShardPolicy
+from jaxdist.input_local import FileSource as FileSource
+from jaxdist.input_local import InputSyncTimeoutError as InputSyncTimeoutError
+from jaxdist.input_local import ShardableSource as ShardableSource
 from jaxdist.loss import compute_average_loss as compute_average_loss
 from jaxdist.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
 from jaxdist.replica import ReduceOp as ReduceOp
@@ -39,8 +44,8 @@ from jaxdist.strategy import mirrored as mirrored
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "Strategy",
+    "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "FileSource", "History", "InputContext", "InputSyncTimeoutError", "MirroredStrategy",
+    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "ShardableSource", "Strategy",
     "TPUStrategy", "all_gather", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
     "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "ps",
     "replica_id",

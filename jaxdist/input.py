@@ -8,6 +8,7 @@ padded row never produces NaN in a loss that a mask multiplies away (``NaN * 0``
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -18,6 +19,8 @@ import jax
 import numpy as np
 
 from jaxdist._types import PyTree
+from jaxdist.input_local import (AutoShardPolicy, ShardableSource, StepSync, new_stream_name,
+                                 pipelines, regroup, rows_of, synced)
 from jaxdist.layout import check_batch_leaves
 from jaxdist.values import Batch
 
@@ -40,11 +43,59 @@ class DistributedDataset:
 
     Each ``iter()`` starts the next epoch (epochs reshuffle deterministically from the seed);
     ``iterator(epoch=, position=)`` starts anywhere, which is how a checkpointed run resumes exactly.
+    An iterable source is split between processes by ``auto_shard_policy``
+    (``jaxdist.AutoShardPolicy``); with ``FILE`` / ``OFF`` each process reads only its own stream.
     """
 
     def __init__(self, strategy: Any, data: Any, global_batch_size: int, *,
                  shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
-                 prefetch: int = 2):
+                 prefetch: int = 2, auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
+                 sync_timeout_s: float = 300.0):
+        self._setup(strategy, global_batch_size, prefetch, sync_timeout_s)
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        policy = AutoShardPolicy(auto_shard_policy)
+        if isinstance(data, list) and data and all(isinstance(x, (np.ndarray, jax.Array))
+                                                   for x in data):
+            shapes = [tuple(np.shape(x)) for x in data]
+            raise ValueError(
+                f"distribute got a list of {len(data)} arrays {shapes}: a list is an iterable of "
+                f"batches, so this would be read as {len(data)} batches of one array each. For a "
+                "dataset of features and labels pass a tuple (x, y) or a dict; for batches of a "
+                "single array pass iter(batches) or a generator function")
+        if isinstance(data, (tuple, dict, np.ndarray, jax.Array)):
+            if policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF):
+                raise ValueError(
+                    f"auto_shard_policy={policy} applies to iterable sources; in-memory arrays are "
+                    "split by rows on every process (AUTO / DATA). For data that already differs "
+                    "per process use strategy.distribute_datasets_from_function")
+            self._num_examples = check_batch_leaves(data, self.strategy.num_replicas_in_sync,
+                                                    what="dataset")
+            self._arrays = jax.tree.map(np.asarray, data)
+            self._iterable = None
+        elif isinstance(data, Iterable) or callable(data):
+            if shuffle:
+                raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
+                                 "arrays); shuffle an iterable of batches at its source")
+            if policy is AutoShardPolicy.AUTO:
+                policy = (AutoShardPolicy.FILE if isinstance(data, ShardableSource)
+                          else AutoShardPolicy.DATA)
+            if policy is AutoShardPolicy.FILE and not isinstance(data, ShardableSource):
+                raise ValueError(
+                    f"AutoShardPolicy.FILE needs a source that exposes shards (an object with "
+                    f"shard(index, count), e.g. jaxdist.FileSource(paths, read)), got a "
+                    f"{type(data).__name__}; wrap the files in a FileSource, or use "
+                    "AutoShardPolicy.DATA (every process reads all batches and keeps its rows)")
+            self._arrays, self._num_examples, self._iterable = None, None, data
+        else:
+            raise ValueError(
+                f"cannot distribute a {type(data).__name__}; pass (x, y) / a dict of numpy arrays, "
+                "or an iterable of such batches")
+        self.auto_shard_policy = policy
+        if policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF):
+            self._stream = new_stream_name()
+
+    def _setup(self, strategy: Any, global_batch_size: int, prefetch: int,
+               sync_timeout_s: float) -> None:
         n = strategy.num_replicas_in_sync
         if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
@@ -55,24 +106,15 @@ class DistributedDataset:
                 f"{type(strategy).__name__}; use a multiple of {n} such as {lo or n} or {lo + n}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s!r}")
         self.strategy = strategy
         self.global_batch_size = int(global_batch_size)
-        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
-        self._prefetch = prefetch
+        self.shuffle, self.seed, self.drop_remainder = False, 0, False
+        self.auto_shard_policy = AutoShardPolicy.DATA
+        self._prefetch, self._sync_timeout_s = prefetch, sync_timeout_s
         self._epoch = 0
-        if isinstance(data, (tuple, dict, np.ndarray, jax.Array)):
-            self._num_examples = check_batch_leaves(data, n, what="dataset")
-            self._arrays = jax.tree.map(np.asarray, data)
-            self._iterable = None
-        elif isinstance(data, Iterable) or callable(data):
-            if shuffle:
-                raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
-                                 "arrays); shuffle an iterable of batches at its source")
-            self._arrays, self._num_examples, self._iterable = None, None, data
-        else:
-            raise ValueError(
-                f"cannot distribute a {type(data).__name__}; pass (x, y) / a dict of numpy arrays, "
-                "or an iterable of such batches")
+        self._runs = itertools.count()
 
     def __len__(self) -> int:
         """Batches per epoch (in-memory datasets only)."""
@@ -108,7 +150,8 @@ class DistributedDataset:
             raise RuntimeError("this process's devices do not hold a contiguous block of the batch")
         return slice(lo, hi)
 
-    def _host_batches(self, epoch: int, position: int) -> Iterator[_Host]:
+    def _host_batches(self, epoch: int, position: int, run: int,
+                      stop: threading.Event) -> Iterator[_Host]:
         gb, rows = self.global_batch_size, self._rows()
         if self._arrays is not None:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
@@ -118,9 +161,12 @@ class DistributedDataset:
                 yield self._pad(idx, rows, lambda i: jax.tree.map(lambda a: a[i], self._arrays))
             return
         source = self._iterable() if callable(self._iterable) else self._iterable
+        if self.auto_shard_policy is not AutoShardPolicy.DATA:
+            yield from self._per_process(source, rows, position, self._sync(run, stop))
+            return
         emitted = 0  # position counts batches handed out, which skips dropped partial ones
         for k, item in enumerate(source):
-            b = check_batch_leaves(item, 1, what=f"batch {k} of the dataset")
+            b = rows_of(item, f"batch {k} of the dataset")
             if b > gb:
                 raise ValueError(
                     f"batch {k} of the dataset has {b} examples but global_batch_size is {gb}; an "
@@ -133,6 +179,24 @@ class DistributedDataset:
                 continue
             yield self._pad(np.arange(b), rows,
                             lambda i, item=item: jax.tree.map(lambda a: np.asarray(a)[i], item))
+
+    def _per_process(self, source: Any, rows: slice, position: int,
+                     sync: StepSync) -> Iterator[_Host]:
+        """FILE / OFF: this process's own stream, regrouped into its rows of each global batch."""
+        peers, me = pipelines(self.strategy.layout)
+        if self.auto_shard_policy is AutoShardPolicy.FILE:
+            source = source.shard(me, len(peers))
+        local_rows = rows.stop - rows.start
+        for item, total in synced(regroup(source, local_rows), sync, local_rows=local_rows,
+                                  position=position,
+                                  min_real=self.global_batch_size if self.drop_remainder else 0):
+            yield _Host(item.local, item.mask, total)
+
+    def _sync(self, run: int, stop: threading.Event) -> StepSync:
+        """The exchange of iteration ``run`` (processes number their iterations alike)."""
+        return StepSync(f"{self._stream}/{run}", pipelines(self.strategy.layout)[0],
+                        self._sync_timeout_s, cancel=stop,
+                        previous=f"{self._stream}/{run - 1}" if run else None)
 
     def _pad(self, idx: np.ndarray, rows: slice, take: Callable) -> _Host:
         gb, real = self.global_batch_size, len(idx)
@@ -156,9 +220,10 @@ class _Producer:
     """The prefetch thread's side. It holds no reference to the iterator, so an iterator that is
     dropped is garbage-collected, and its ``__del__`` stops the thread."""
 
-    def __init__(self, batches: Iterator, to_device: Callable, capacity: int):
+    def __init__(self, batches: Iterator, to_device: Callable, capacity: int,
+                 stop: threading.Event):
         self.queue: queue.Queue = queue.Queue(maxsize=capacity)
-        self.stop = threading.Event()
+        self.stop = stop
         self._batches, self._to_device = batches, to_device
         self.thread = threading.Thread(target=self._run, name="jaxdist-prefetch", daemon=True)
         self.thread.start()
@@ -206,8 +271,11 @@ class DistributedIterator:
     def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
         self.epoch, self.position = epoch, position
         self.last_num_real = 0
-        self._producer = _Producer(dataset._host_batches(epoch, position), dataset._to_device,
-                                   dataset._prefetch)
+        # The run number is taken here, on the caller's thread, so that processes creating
+        # iterators in the same order name the same exchange.
+        stop = threading.Event()
+        batches = dataset._host_batches(epoch, position, next(dataset._runs), stop)
+        self._producer = _Producer(batches, dataset._to_device, dataset._prefetch, stop)
 
     def __iter__(self):
         return self

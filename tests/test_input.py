@@ -142,7 +142,8 @@ def test_bad_input_errors(data, batch, n, match):
 
 def test_list_instead_of_tuple_is_explained():
     s = jaxdist.OneDeviceStrategy()
-    with pytest.raises(ValueError, match=r"has 100 examples but global_batch_size is 10.*tuple"):
+    with pytest.raises(ValueError,
+                       match=r"list of 2 arrays \[\(100, 2\), \(100,\)\].*pass a tuple \(x, y\)"):
         list(s.distribute([np.zeros((100, 2)), np.zeros(100)], 10))
 
 

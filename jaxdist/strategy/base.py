@@ -18,6 +18,8 @@ from jaxdist import mesh as mesh_lib
 from jaxdist import per_replica
 from jaxdist._types import PyTree
 from jaxdist.input import DistributedDataset
+from jaxdist.input_context import DatasetFromFunction
+from jaxdist.input_local import AutoShardPolicy
 from jaxdist.layout import Layout
 from jaxdist.replica import ReduceOp
 from jaxdist.step import DistributedStep
@@ -127,7 +129,9 @@ class MeshStrategy(Strategy):
         return layout.put_state(tree)
 
     def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                   drop_remainder: bool = False, prefetch: int = 2):
+                   drop_remainder: bool = False, prefetch: int = 2,
+                   auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
+                   sync_timeout_s: float = 300.0):
         """Shards ``data`` into global batches laid out on the replicas.
 
         Create the dataset once and iterate it once per epoch: each new iteration is the next epoch,
@@ -143,16 +147,69 @@ class MeshStrategy(Strategy):
           drop_remainder: drop a final partial batch instead of padding it (padded rows carry
             ``mask == False``, so no example is dropped or counted twice either way).
           prefetch: batches prepared ahead on a background thread (bounded).
+          auto_shard_policy: how several processes split an iterable source
+            (``jaxdist.AutoShardPolicy``: ``AUTO`` = ``FILE`` for a source with ``shard(index,
+            count)`` such as ``jaxdist.FileSource``, else ``DATA``; ``OFF``); tf's meanings.
+          sync_timeout_s: with ``FILE`` / ``OFF`` across processes, how long a step waits for the
+            other processes to say whether their pipelines still have data.
 
         Returns:
           A ``jaxdist.DistributedDataset``; iterating it yields ``jaxdist.Batch(data, mask)``.
 
         Raises:
           ValueError: the batch size does not divide over the replicas, leaves are not arrays,
-            or their leading dimensions differ.
+            their leading dimensions differ, a list of arrays (``[x, y]``: pass a tuple), or a
+            policy that does not fit the source.
+
+        >>> import jax, jaxdist, numpy as np
+        >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> [int(b.mask.sum()) for b in s.distribute((np.arange(10),), 4)]
+        [4, 4, 2]
         """
         return DistributedDataset(self, data, global_batch_size, shuffle=shuffle, seed=seed,
-                                  drop_remainder=drop_remainder, prefetch=prefetch)
+                                  drop_remainder=drop_remainder, prefetch=prefetch,
+                                  auto_shard_policy=auto_shard_policy,
+                                  sync_timeout_s=sync_timeout_s)
+
+    def distribute_datasets_from_function(self, fn: Callable, /, *,
+                                          global_batch_size: int | None = None, prefetch: int = 2,
+                                          sync_timeout_s: float = 300.0) -> DatasetFromFunction:
+        """Global batches from a pipeline each process builds itself (tf's method of this name).
+
+        Every process calls ``fn(ctx)`` once with its ``jaxdist.InputContext`` and reads only what
+        it returns: a dataset batched with ``ctx.get_per_replica_batch_size(global_batch_size)``
+        holding this process's share (e.g. a grain ``MapDataset`` sliced by
+        ``ctx.input_pipeline_id``). Each step takes one batch per local replica. Short or missing
+        batches are padded with ``mask`` False, and processes whose pipelines end at different steps
+        keep stepping (with padding) until every pipeline has ended, so no example is lost.
+
+        Args:
+          fn: ``fn(jaxdist.InputContext) -> iterable of per-replica batches``; called once (again
+            for later epochs only when it returns a one-shot iterator).
+          global_batch_size: fixes the per-replica batch size; by default read from the first batch
+            (and checked to agree across processes).
+          prefetch: steps prepared ahead on a background thread (bounded).
+          sync_timeout_s: across processes, how long a step waits for the others to report.
+
+        Returns:
+          A ``jaxdist.DistributedDataset`` yielding ``jaxdist.Batch(data, mask)``: iterate it once
+          per epoch; it has no ``len``.
+
+        Raises:
+          ValueError: a batch larger than the per-replica batch size, an empty batch, or
+            pipelines that disagree on the batch size. ``jaxdist.InputSyncTimeoutError``: a process
+            did not report within ``sync_timeout_s``.
+
+        >>> import jax, jaxdist, numpy as np
+        >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> def fn(ctx):
+        ...     size = ctx.get_per_replica_batch_size(4)
+        ...     return [(np.arange(i, min(i + size, 5)),) for i in range(0, 5, size)]
+        >>> [b.mask.tolist() for b in s.distribute_datasets_from_function(fn)]
+        [[True, True, True, True], [True, False, False, False]]
+        """
+        return DatasetFromFunction(self, fn, global_batch_size=global_batch_size,
+                                   prefetch=prefetch, sync_timeout_s=sync_timeout_s)
 
     # --- the two views ----------------------------------------------------------------------------
     def step(self, fn: Callable, /, *, donate: bool = True, max_in_flight: int = 8) -> Callable:
