@@ -11,6 +11,8 @@ from tests.conftest import REPO
 def test_readme_python_blocks_run(tmp_path):
     text = open(os.path.join(REPO, "README.md")).read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    # A block that cannot run on its own says so on its first line (tests/test_docs.py checks).
+    blocks = [b for b in blocks if not b.startswith("# fragment")]
     assert len(blocks) >= 3
     namespace: dict = {}
     for block in blocks:

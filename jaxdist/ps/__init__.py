@@ -1,6 +1,7 @@
 """Parameter-server mode: sharded parameters, host-side optimizer updates, a coordinator.
 
-See :class:`ParameterServerStrategy` for the entry point and ``NOTES_ps.md`` / README for a tour.
+See :class:`ParameterServerStrategy` for the entry point, README's "Parameter servers" section
+for a tour, and ``examples/parameter_server.py`` / ``notebooks/04_parameter_server.ipynb``.
 """
 
 from jaxdist.ps.coordinator import ClosureError as ClosureError

@@ -163,24 +163,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``jaxdist ps`` (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:
-        p = argparse.ArgumentParser(prog="jaxdist ps launch")
-        p.add_argument("--ps", type=int, default=2)
-        p.add_argument("--workers", type=int, default=3)
-        p.add_argument("--checkpoint-dir", default=None)
+        p = argparse.ArgumentParser(prog="jaxdist ps launch", description="Start a whole "
+                                    "parameter-server job on this machine (one process per task).")
+        p.add_argument("--ps", type=int, default=2, help="number of parameter servers (default 2)")
+        p.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
+        p.add_argument("--checkpoint-dir", default=None,
+                       help="directory where each server checkpoints its shard")
         p.add_argument("--timeout", type=float, default=None, help="seconds; kill after")
-        p.add_argument("script")
-        p.add_argument("script_args", nargs=argparse.REMAINDER)
+        p.add_argument("script", help="the job script; the coordinator and workers run it")
+        p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
         a = p.parse_args(argv[1:])
         with launch_local(a.script, a.script_args, num_ps=a.ps, num_workers=a.workers,
                           checkpoint_dir=a.checkpoint_dir) as job:
             return job.wait(timeout=a.timeout)
-    p = argparse.ArgumentParser(prog="jaxdist ps")
-    p.add_argument("--role", choices=("ps", "worker", "coordinator"), default=None)
-    p.add_argument("--index", type=int, default=None)
+    p = argparse.ArgumentParser(
+        prog="jaxdist ps", description="Run one task of a parameter-server job.",
+        epilog="subcommands:\n  launch    start a whole job on this machine: jaxdist ps launch "
+               "--ps 2 --workers 3 script.py [args] (jaxdist ps launch -h)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=("ps", "worker", "coordinator"), default=None,
+                   help="this task's role (default: TF_CONFIG's task type)")
+    p.add_argument("--index", type=int, default=None,
+                   help="this task's index within its role (default: TF_CONFIG's task index)")
     p.add_argument("--cluster", default=None, help='JSON {"ps": [...], "worker": [...]}')
     p.add_argument("--checkpoint-dir", default=None, help="ps role: checkpoint directory")
-    p.add_argument("script", nargs="?")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument("script", nargs="?", help="the job script (worker and coordinator roles)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return _run_task(p.parse_args(argv))
 
 
