@@ -10,11 +10,14 @@ from jaxdist import checkpoint as checkpoint
 from jaxdist import cluster as cluster
 from jaxdist import datasets as datasets
 from jaxdist import models as models
+from jaxdist import precision as precision
 from jaxdist import ps as ps
+from jaxdist.accumulate import accumulate_gradients as accumulate_gradients
 from jaxdist.cluster import ClusterSpec as ClusterSpec
 from jaxdist.fit import History as History
 from jaxdist.fit import evaluate as evaluate
 from jaxdist.fit import fit as fit
+from jaxdist.fit import predict as predict
 from jaxdist.input import Batch as Batch
 from jaxdist.input import DistributedDataset as DistributedDataset
 from jaxdist.loss import compute_average_loss as compute_average_loss
@@ -40,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "History", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "Strategy",
-    "TPUStrategy", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
-    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "ps",
+    "TPUStrategy", "accumulate_gradients", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
+    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "precision", "predict", "ps",
     "replica_id",
 ]

@@ -148,3 +148,13 @@ def classifier_eval_step(state: train_state.TrainState, batch):
     (x, y), mask = _unpack(batch)
     loss, logits = _logits_and_loss(state.params, state, x, y, mask)
     return {"loss": loss, "accuracy": _accuracy(logits, y, mask)}
+
+
+def classifier_predict_step(state: train_state.TrainState, batch):
+    """Float32 logits for a batch of inputs ``x`` (or of ``(x, y)`` pairs, labels ignored)."""
+    data, _ = _unpack(batch)
+    x = data[0] if isinstance(data, (tuple, list)) else data
+    policy = getattr(state, "policy", None)
+    if policy is not None:
+        x = policy.cast_to_compute(x)
+    return state.apply_fn({"params": state.params}, x).astype(jnp.float32)
