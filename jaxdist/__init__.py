@@ -12,6 +12,7 @@ from jaxdist import datasets as datasets
 from jaxdist import models as models
 from jaxdist import precision as precision
 from jaxdist import ps as ps
+from jaxdist import schedules as schedules
 from jaxdist.accumulate import accumulate_gradients as accumulate_gradients
 from jaxdist.cluster import ClusterSpec as ClusterSpec
 from jaxdist.fit import History as History
@@ -45,5 +46,5 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "Strategy",
     "TPUStrategy", "accumulate_gradients", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
     "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "precision", "predict", "ps",
-    "replica_id",
+    "replica_id", "schedules",
 ]
