@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxdist._types import PyTree
-from jaxdist.callbacks import Callback, ProgressBar, TrainInfo
+from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
 from jaxdist.input import DistributedDataset
 
 logger = logging.getLogger(__name__)
@@ -264,10 +264,18 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
     try:
+        resumed_by = None
         for cb in cbs:
-            cb.on_train_begin(info)
-        # A callback may have restored a backup: carry on from its epoch and batch. A backup taken
-        # after an epoch's last step resumes at the next epoch, not with one step too many.
+            resume = cb.on_train_begin(info)
+            if isinstance(resume, Resume):
+                if resumed_by is not None:
+                    raise ValueError(f"two callbacks resume training ({type(resumed_by).__name__} and "
+                                     f"{type(cb).__name__}); keep one BackupAndRestore")
+                resumed_by = cb
+                info.state, info.step = resume.state, resume.step
+                info.epoch, info.position = resume.epoch, resume.position
+        # Carry on from a resumed run's epoch and batch. A backup taken after an epoch's last step
+        # resumes at the next epoch, not with one step too many.
         start_epoch, start_position = info.epoch, info.position
         if planned is not None and start_position >= planned:
             start_epoch, start_position = start_epoch + 1, 0

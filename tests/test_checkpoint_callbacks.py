@@ -105,3 +105,32 @@ def test_restore_for_inference_without_a_template(tmp_path, digits):
                             strategy.distribute(x[:40], 16))
     np.testing.assert_allclose(preds, model.apply({"params": hist.state.params}, x[:40]),
                                rtol=1e-5, atol=1e-5)
+
+
+class _ResumeAt(jaxdist.callbacks.Callback):
+    def __init__(self, resume):
+        self.resume = resume
+
+    def on_train_begin(self, info):
+        return self.resume
+
+
+def test_resume_is_a_value_a_callback_returns(digits):
+    (x, y), _ = digits
+    strategy = jaxdist.MirroredStrategy()
+    state = models.create_train_state(models.MLP(hidden=(8,)), x[:1])
+    resume = jaxdist.callbacks.Resume(state=state, step=30, epoch=2, position=6)
+    seen = []
+
+    class Record(jaxdist.callbacks.Callback):
+        def on_epoch_begin(self, info):
+            seen.append((info.epoch, info.position, info.step))
+
+    hist = jaxdist.fit(strategy.step(models.classifier_train_step), state,
+                       strategy.distribute((x, y), 128), epochs=3,
+                       callbacks=[_ResumeAt(resume), Record()], verbose=0)
+    assert seen == [(2, 6, 30)] and hist.epochs == [2]
+    with pytest.raises(ValueError, match="two callbacks resume"):
+        jaxdist.fit(strategy.step(models.classifier_train_step), state,
+                    strategy.distribute((x, y), 128), epochs=1,
+                    callbacks=[_ResumeAt(resume), _ResumeAt(resume)], verbose=0)
