@@ -120,6 +120,10 @@ class CheckpointManager:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force,
             metrics=metrics)
 
+    def reload(self) -> None:
+        """Re-reads the directory (steps another process wrote since this manager was made)."""
+        self._mgr.reload()
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None."""
         return self._mgr.latest_step()

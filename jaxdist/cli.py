@@ -1,4 +1,4 @@
-"""The ``jaxdist`` command: ``train`` (the main job), ``launch``, ``ps`` and ``bench``."""
+"""The ``jaxdist`` command: ``train`` (the main job), ``evaluate``, ``launch``, ``ps`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -57,11 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist import train_cli
 
     train_cli.add_parser(sub)
+    train_cli.add_evaluate_parser(sub)
     sub.add_parser("launch", help="run a script as N local processes (jaxdist launch -h)")
     sub.add_parser("ps", help="run a parameter-server role (jaxdist ps -h)")
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (jaxdist bench -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "evaluate":
+        return train_cli.evaluate(args)
     return train_cli.train(args)
 
 

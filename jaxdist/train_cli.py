@@ -19,6 +19,17 @@ STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_wor
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
+def _data_and_model_args(p) -> None:
+    p.add_argument("--dataset", choices=("digits", "mnist", "synthetic"), default="digits")
+    p.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (--dataset mnist)")
+    p.add_argument("--data", default=None, metavar="MODULE:FACTORY",
+                   help="your own data: FACTORY() returns ((x_train, y_train), (x_test, y_test)) "
+                        "numpy arrays, integer labels (replaces --dataset)")
+    p.add_argument("--model", default="mlp", metavar="{mlp,cnn} | MODULE:FACTORY",
+                   help="a built-in model, or FACTORY(num_classes=...) returning a flax Module "
+                        "that maps a batch of inputs to logits")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model on offline data",
                        description="Train a model on offline data under a distribution strategy.")
@@ -28,14 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--devices", type=int, default=None,
                    help="devices to use; on a CPU-only machine this many are simulated "
                         "(default: all local devices)")
-    p.add_argument("--dataset", choices=("digits", "mnist", "synthetic"), default="digits")
-    p.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (--dataset mnist)")
-    p.add_argument("--data", default=None, metavar="MODULE:FACTORY",
-                   help="your own data: FACTORY() returns ((x_train, y_train), (x_test, y_test)) "
-                        "numpy arrays, integer labels (replaces --dataset)")
-    p.add_argument("--model", default="mlp", metavar="{mlp,cnn} | MODULE:FACTORY",
-                   help="a built-in model, or FACTORY(num_classes=...) returning a flax Module "
-                        "that maps a batch of inputs to logits")
+    _data_and_model_args(p)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128, help="global batch size")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -45,13 +49,30 @@ def add_parser(sub) -> None:
     p.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="split each global batch into K micro-batches (gradient accumulation)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="save a checkpoint at every epoch end (all processes, shared directory)")
+                   help="save a checkpoint at every epoch end (all processes, shared directory); "
+                        "on a TF_CONFIG evaluator task, the directory to evaluate")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write TensorBoard event files (process 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="evaluate every checkpoint a training job writes",
+                       description="The side-car evaluator: evaluate each new checkpoint in DIR as "
+                                   "it appears; stop after training's final checkpoint.")
+    p.add_argument("--watch", required=True, metavar="DIR", help="the training checkpoint directory")
+    _data_and_model_args(p)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write eval/* scalars here")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="append one JSON line per checkpoint (default: DIR/eval_log.jsonl)")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at DIR")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="give up after this many seconds without a new checkpoint")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def _fail(msg: str):
@@ -176,6 +197,20 @@ def train(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     if args.accumulate < 1:
         _fail(f"--accumulate must be >= 1, got {args.accumulate}")
+    from jaxdist.cluster import cluster_from_environment
+
+    try:
+        spec = cluster_from_environment()
+    except ValueError as e:
+        _fail(str(e))
+    if spec is not None and spec.task_type == "evaluator":
+        if not args.checkpoint_dir:
+            _fail("this is a TF_CONFIG evaluator task: pass --checkpoint-dir DIR (the training "
+                  "job's) to evaluate its checkpoints")
+        print(f"jaxdist train: TF_CONFIG evaluator task {spec.task_index}: evaluating the "
+              f"checkpoints in {args.checkpoint_dir}", flush=True)
+        args.watch, args.log, args.poll, args.timeout = args.checkpoint_dir, None, 1.0, 3600.0
+        return evaluate(args)
     import jaxdist
     from jaxdist import models
 
@@ -221,4 +256,41 @@ def train(args: argparse.Namespace) -> int:
     final = jaxdist.evaluate(models.classifier_eval_step, hist.state,
                              strategy.distribute((xt, yt), args.batch_size))
     say(f"test accuracy: {final['accuracy']:.4f}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """Runs ``jaxdist evaluate --watch DIR`` (and a TF_CONFIG evaluator task); returns the status."""
+    import jax
+    import optax
+    from flax.training import train_state
+
+    import jaxdist
+    from jaxdist import evaluator, models
+
+    _, (xt, yt) = _load_data(args)
+    model = _build_model(args, int(yt.max()) + 1)
+    strategy = jaxdist.MirroredStrategy(jax.local_devices())
+    n = strategy.num_replicas_in_sync
+    batch = max(n, args.batch_size // n * n)
+    data = strategy.distribute((xt, yt), batch)
+    step_fn = strategy.step(models.classifier_eval_step, donate=False)
+
+    def evaluate_checkpoint(mgr, step):
+        params = mgr.restore(step, strategy=strategy)["params"]  # no template: saved metadata
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                              tx=optax.identity())
+        return jaxdist.evaluate(step_fn, state, data)
+
+    log = args.log or os.path.join(args.watch, "eval_log.jsonl")
+    print(f"jaxdist evaluate: watching {args.watch}; log {log}"
+          + (f", TensorBoard {args.tensorboard}" if args.tensorboard else ""), flush=True)
+    try:
+        results = evaluator.watch(args.watch, evaluate_checkpoint, tensorboard=args.tensorboard,
+                                  log_path=log, poll_s=args.poll, timeout_s=args.timeout)
+    except TimeoutError as e:
+        _fail(str(e))
+    for step, m in sorted(results.items()):
+        print(f"checkpoint {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in m.items()), flush=True)
+    print(f"evaluated {len(results)} checkpoints; the final one was step {max(results, default=None)}")
     return 0

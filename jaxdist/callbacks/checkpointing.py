@@ -183,6 +183,11 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, info: TrainInfo) -> None:
         self.manager.wait_until_finished()
+        if self._last_saved is not None and jax.process_index() == 0:
+            from jaxdist.evaluator import mark_final
+
+            # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
+            mark_final(self.manager.directory, self._last_saved)
 
 
 class BackupAndRestore(ModelCheckpoint):
