@@ -5,8 +5,9 @@
 time; the gradients are combined weighted by each micro-batch's number of *real* examples, which
 makes the result the gradient of the mean over the whole batch (padding rows included or not).
 
-Micro-batch ``i`` takes rows ``i, i + k, i + 2k, ...`` of each replica's slice, so every replica
-keeps working on its own rows (no data moves between devices), in both views.
+Micro-batch ``i`` takes the ``i``-th block of ``rows / k`` rows of each replica's slice, so every
+replica keeps working on its own rows (no data moves between devices, and the batch is not copied),
+in both views.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ from jaxdist._types import PyTree
 from jaxdist.input import Batch
 
 
-def _split(x: jax.Array, k: int) -> jax.Array:
-    """``[B, ...] -> [k, B // k, ...]``: micro-batch ``i`` holds rows ``i::k`` of every replica's slice."""
-    b = x.shape[0]
-    return jnp.swapaxes(x.reshape(b // k, k, *x.shape[1:]), 0, 1)
+def _micro(x: jax.Array, replicas: int, k: int, i: jax.Array) -> jax.Array:
+    """Micro-batch ``i`` of ``k``: rows ``[i*m, (i+1)*m)`` of each replica's slice of ``x``.
+
+    ``[B, ...]`` is viewed as ``[replicas, k, m, ...]`` (a reshape that keeps every replica's rows
+    where they are, so no copy of the batch) and sliced on the ``k`` axis.
+    """
+    m = x.shape[0] // (replicas * k)
+    view = x.reshape(replicas, k, m, *x.shape[1:])
+    part = jax.lax.dynamic_index_in_dim(view, i, axis=1, keepdims=False)
+    return part.reshape(replicas * m, *x.shape[1:])
 
 
 def accumulate_gradients(value_and_grad_fn: Callable, params: PyTree, batch: Any, /, *,
@@ -75,7 +82,7 @@ def accumulate_gradients(value_and_grad_fn: Callable, params: PyTree, batch: Any
             f"of the batch, which do not divide into {steps} micro-batches; use a global batch "
             f"that is a multiple of {replicas * steps} (replicas x steps)")
     mask = batch.mask if isinstance(batch, Batch) else None
-    micro = jax.tree.map(lambda x: _split(x, steps), batch)
+    take = lambda i: jax.tree.map(lambda x: _micro(x, replicas, steps, i), batch)  # noqa: E731
 
     def weight(m):
         if mask is None:
@@ -85,7 +92,8 @@ def accumulate_gradients(value_and_grad_fn: Callable, params: PyTree, batch: Any
             w = jax.lax.psum(w, ctx.axes)
         return w
 
-    def body(carry, mb):
+    def body(carry, i):
+        mb = take(i)
         out, grads = value_and_grad_fn(params, mb)
         w = weight(mb)
         acc_out, acc_grads, acc_w = carry
@@ -93,11 +101,10 @@ def accumulate_gradients(value_and_grad_fn: Callable, params: PyTree, batch: Any
         return (jax.tree.map(add, acc_out, _floats(out)), jax.tree.map(add, acc_grads, grads),
                 acc_w + w), None
 
-    out_shape, grad_shape = jax.eval_shape(
-        value_and_grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    out_shape, grad_shape = jax.eval_shape(value_and_grad_fn, params, take(0))
     zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
     init = (zeros(_floats(out_shape)), zeros(grad_shape), jnp.zeros((), jnp.float32))
-    (out, grads, total), _ = jax.lax.scan(body, init, micro)
+    (out, grads, total), _ = jax.lax.scan(body, init, jnp.arange(steps))
     total = jnp.maximum(total, 1.0)
     div = lambda t: jax.tree.map(lambda x: (x / total).astype(x.dtype), t)  # noqa: E731
     return div(out), div(grads)

@@ -197,15 +197,21 @@ class TrainState(train_state.TrainState):
         if self.loss_scale is None:
             return super().apply_gradients(grads=grads, **kwargs)
         finite = all_finite(grads)
-        # Zeros in place of non-finite gradients keep NaN out of the (discarded) update's arithmetic.
-        safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        new = super().apply_gradients(grads=safe, **kwargs)
-        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)  # noqa: E731
-        return new.replace(step=jnp.where(finite, new.step, self.step),
-                           params=keep(new.params, self.params),
-                           opt_state=keep(new.opt_state, self.opt_state),
-                           loss_scale=self.loss_scale.adjust(finite),
-                           skipped=self.skipped + jnp.logical_not(finite).astype(jnp.int32))
+
+        # lax.cond rather than computing the update and selecting: on a skipped step only the
+        # untouched state is kept, and on a taken step no second copy of the parameters and
+        # optimizer state is live. The predicate is the same on every replica (see all_finite).
+        def take(grads):
+            new = super(TrainState, self).apply_gradients(grads=grads, **kwargs)
+            return new.step, new.params, new.opt_state
+
+        def skip(grads):
+            return self.step, self.params, self.opt_state
+
+        step, params, opt_state = jax.lax.cond(finite, take, skip, grads)
+        return self.replace(step=step, params=params, opt_state=opt_state,
+                            loss_scale=self.loss_scale.adjust(finite),
+                            skipped=self.skipped + jnp.logical_not(finite).astype(jnp.int32))
 
 
 def value_and_grad(loss_fn: Callable, state: Any, *, has_aux: bool = False) -> Callable:
