@@ -88,7 +88,11 @@ class CheckpointManager:
             best_fn=lambda metrics: float(metrics[best_metric]), best_mode=best_mode,
             keep_checkpoints_without_metrics=True)
         self._mgr = ocp.CheckpointManager(
-            self.directory, item_names=("state", "meta"),
+            self.directory,
+            # Handlers named up front, so that reading metadata (a template-free restore, a
+            # side-car evaluator) works on a manager that has not saved anything itself.
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                  enable_async_checkpointing=async_save, **best))
 

@@ -123,3 +123,15 @@ def test_dynamic_loss_scale_arithmetic():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="mixed_bfloat16"):
         precision.Policy.named("mixed_fp8")
+
+
+@pytest.mark.slow
+def test_the_mixed_precision_example_runs():
+    from tests.conftest import run_python
+
+    proc = run_python(["examples/mixed_precision.py", "--precision", "mixed_float16", "--epochs",
+                       "6"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("mixed_float16, 4 micro-batches of 64: best checkpoint test accuracy")
+    assert float(line.split("accuracy ")[1].split()[0]) >= 0.9
