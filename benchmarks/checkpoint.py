@@ -9,6 +9,7 @@ is the time `save()` holds the training loop, "total" adds `wait_until_finished(
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -22,6 +23,9 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise SystemExit(f"benchmarks/checkpoint.py: --dir {args.dir} is not a directory; create it "
+                         "or leave --dir out to write under a temporary directory")
 
     import jax
 

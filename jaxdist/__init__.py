@@ -10,11 +10,15 @@ from jaxdist import checkpoint as checkpoint
 from jaxdist import cluster as cluster
 from jaxdist import datasets as datasets
 from jaxdist import models as models
+from jaxdist import precision as precision
 from jaxdist import ps as ps
+from jaxdist import schedules as schedules
+from jaxdist.accumulate import accumulate_gradients as accumulate_gradients
 from jaxdist.cluster import ClusterSpec as ClusterSpec
 from jaxdist.fit import History as History
 from jaxdist.fit import evaluate as evaluate
 from jaxdist.fit import fit as fit
+from jaxdist.fit import predict as predict
 from jaxdist.input import Batch as Batch
 from jaxdist.input import DistributedDataset as DistributedDataset
 from jaxdist.input_context import InputContext as InputContext
@@ -44,9 +48,12 @@ from jaxdist.strategy import mirrored as mirrored
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy", "DistributedDataset", "FileSource", "History", "InputContext", "InputSyncTimeoutError", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "ParameterServerStrategy", "PerReplica", "ReduceOp", "ShardableSource", "Strategy",
-    "TPUStrategy", "all_gather", "all_reduce", "barrier", "callbacks", "checkpoint", "cluster",
-    "compute_average_loss", "datasets", "evaluate", "fit", "initialize", "mirrored", "models", "num_replicas", "ps",
-    "replica_id",
+    "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy",
+    "DistributedDataset", "FileSource", "History", "InputContext", "InputSyncTimeoutError",
+    "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy",
+    "ParameterServerStrategy", "PerReplica", "ReduceOp", "ShardableSource", "Strategy",
+    "TPUStrategy", "accumulate_gradients", "all_gather", "all_reduce", "barrier", "callbacks",
+    "checkpoint", "cluster", "compute_average_loss", "datasets", "evaluate", "fit",
+    "initialize", "mirrored", "models", "num_replicas", "precision", "predict", "ps",
+    "replica_id", "schedules",
 ]

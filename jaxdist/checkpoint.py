@@ -62,8 +62,12 @@ class CheckpointManager:
 
     Args:
       directory: where steps are written (``<directory>/<step>/``); created if missing.
-      max_to_keep: newest checkpoints kept (older ones are deleted after a successful save).
+      max_to_keep: checkpoints kept (the others are deleted after a successful save): the newest,
+        or with ``best_metric`` the best ones.
       async_save: write in the background; ``save`` returns once the device arrays are copied.
+      best_metric: keep the ``max_to_keep`` checkpoints with the best value of this metric (passed
+        to ``save(metrics=...)``) instead of the newest; steps saved without it are kept too.
+      best_mode: ``"min"`` or ``"max"``: which values of ``best_metric`` are better.
 
     >>> import tempfile, jax.numpy as jnp
     >>> with tempfile.TemporaryDirectory() as d:
@@ -74,18 +78,28 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, best_metric: str | None = None, best_mode: str = "min"):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode={best_mode!r}; expected 'min' or 'max'")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.best_metric = best_metric
+        best = {} if best_metric is None else dict(
+            best_fn=lambda metrics: float(metrics[best_metric]), best_mode=best_mode,
+            keep_checkpoints_without_metrics=True)
         self._mgr = ocp.CheckpointManager(
-            self.directory, item_names=("state", "meta"),
+            self.directory,
+            # Handlers named up front, so that reading metadata (a template-free restore, a
+            # side-car evaluator) works on a manager that has not saved anything itself.
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                 enable_async_checkpointing=async_save))
+                                                 enable_async_checkpointing=async_save, **best))
 
     def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
              data_state: dict | None = None, metadata: dict | None = None,
-             force: bool = True) -> bool:
+             metrics: dict[str, float] | None = None, force: bool = True) -> bool:
         """Writes ``state`` (and the iterator position) as checkpoint ``step``; all processes call it.
 
         Args:
@@ -94,6 +108,7 @@ class CheckpointManager:
           data_iterator: a ``DistributedIterator`` (or anything with ``state() -> dict``).
           data_state: the input position as a dict, instead of ``data_iterator``.
           metadata: small JSON-serialisable extras.
+          metrics: scalar metrics of this step; with ``best_metric`` they decide what is kept.
 
         Returns:
           Whether a save was started.
@@ -107,8 +122,17 @@ class CheckpointManager:
             data_state = data_iterator.state()
         meta = {"step": int(step), "data": data_state,
                 "user": metadata or {}}
+        if self.best_metric is not None and metrics is not None and self.best_metric not in metrics:
+            raise ValueError(f"save(metrics={sorted(metrics)}) lacks best_metric "
+                             f"{self.best_metric!r}, which decides the checkpoints kept")
+        metrics = None if metrics is None else {k: float(v) for k, v in metrics.items()}
         return self._mgr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force,
+            metrics=metrics)
+
+    def reload(self) -> None:
+        """Re-reads the directory (steps another process wrote since this manager was made)."""
+        self._mgr.reload()
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None."""
@@ -129,13 +153,16 @@ class CheckpointManager:
                                   f"steps: {steps or 'none'}")
         return step
 
-    def restore(self, step: int | None = None, *, target: PyTree,
+    def restore(self, step: int | None = None, *, target: PyTree = None,
                 strategy: "Strategy | None" = None) -> PyTree:
         """Reads checkpoint ``step`` (the latest when None) into arrays shaped like ``target``.
 
         Args:
           target: a pytree with the structure, shapes and dtypes of the saved state (a freshly
             initialised state, or its ``jax.ShapeDtypeStruct``\\ s); its values are not used.
+            ``None`` rebuilds the tree from the checkpoint's own metadata: nested dicts and lists
+            of arrays (a flax ``TrainState`` comes back as ``{"params": ..., "opt_state": ...,
+            "step": ...}``), enough for inference (``apply_fn({"params": tree["params"]}, x)``).
           strategy: place the result the way this strategy places state. It need not be the one
             that saved: a checkpoint written by 2 processes × 2 devices restores on 1 × 8 or on 1.
 
@@ -145,6 +172,8 @@ class CheckpointManager:
         """
         step = self._check_step(step)
         try:
+            if target is None:
+                target = self._saved_tree(step)
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(target, strategy))))
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
@@ -155,6 +184,19 @@ class CheckpointManager:
                 f"structure, shapes and dtypes; if this step's files are damaged, restore another "
                 f"one (steps you can restore: {others or 'none'})") from e
         return out["state"]
+
+    def _saved_tree(self, step: int) -> PyTree:
+        """Shapes and dtypes of the state saved at ``step``, from Orbax's tree metadata."""
+        tree = self._mgr.item_metadata(step)["state"]
+        tree = getattr(tree, "tree", tree)
+
+        def leaf(m):
+            dtype = np.dtype(m.dtype)
+            if dtype.itemsize == 8 and not jax.config.jax_enable_x64:  # a Python int step counter
+                dtype = np.dtype(dtype.kind + "4")
+            return jax.ShapeDtypeStruct(tuple(m.shape), dtype)
+
+        return jax.tree.map(leaf, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
     def metadata(self, step: int | None = None) -> dict:
         """``{"step", "data" (iterator state or None), "user"}`` saved with checkpoint ``step``."""

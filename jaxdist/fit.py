@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxdist._types import PyTree
-from jaxdist.callbacks import Callback, ProgressBar, TrainInfo
+from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
 from jaxdist.input import DistributedDataset
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,79 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
     return meter.drain()
 
 
+def _to_host(x: Any) -> np.ndarray:
+    """A global array as numpy on this process, whatever its sharding (all processes call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
+            steps: int | None = None, max_in_flight: int = 4) -> PyTree:
+    """Runs ``predict_step(state, batch) -> predictions`` over ``data``; returns them in input order.
+
+    Every process calls it (under a multi-process strategy) and every process gets all the
+    predictions: each batch's outputs are gathered from every replica and process, and the rows
+    that only pad the final batch are removed (Keras's ``model.predict``).
+
+    Args:
+      predict_step: a plain function or one compiled with ``strategy.step``; it returns a pytree of
+        arrays whose leading axis is the batch (logits, say).
+      state: the state to predict with (not consumed).
+      data: a ``DistributedDataset`` built with ``shuffle=False``, or raw data with ``batch_size``.
+      steps: stop after this many batches.
+      max_in_flight: batches dispatched before the oldest one is read back.
+
+    Returns:
+      The predictions' pytree with numpy leaves of leading size = the number of examples.
+
+    Raises:
+      ValueError: a shuffled dataset (the order would not be the input's), or outputs without the
+        batch axis.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdist
+    >>> s = jaxdist.MirroredStrategy()
+    >>> out = predict(lambda w, b: b.data * w, jnp.float32(2.0), s.distribute(np.arange(10.0), 8))
+    >>> out.tolist()
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0]
+    """
+    strategy = _strategy_of(predict_step, data)
+    step = _as_step(predict_step, strategy, donate=False)
+    dataset = _as_dataset(data, strategy, batch_size, False, 0, "predict data")
+    if dataset.shuffle:
+        raise ValueError("predict got a dataset built with shuffle=True, so the predictions could not "
+                         "be in input order; build it with strategy.distribute(data, batch_size)")
+    gb = dataset.global_batch_size
+    pending: collections.deque = collections.deque()
+    chunks: list = []
+
+    def read_oldest():
+        out, mask = pending.popleft()
+        keep = _to_host(mask)
+        leaves = jax.tree.leaves(out)
+        if any(np.ndim(v) == 0 or np.shape(v)[0] != gb for v in leaves):
+            raise ValueError(f"predict_step returned shapes {[np.shape(v) for v in leaves]}; every "
+                             f"output needs the batch as its leading axis ({gb} rows)")
+        chunks.append(jax.tree.map(lambda v: _to_host(v)[keep], out))
+
+    with iter(dataset) as it:
+        for k, batch in enumerate(it):
+            if steps is not None and k >= steps:
+                break
+            pending.append((step(state, batch), batch.mask))
+            while len(pending) > max_in_flight:
+                read_oldest()
+    while pending:
+        read_oldest()
+    if not chunks:
+        return None
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
+
+
 def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
@@ -191,10 +264,18 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
     try:
+        resumed_by = None
         for cb in cbs:
-            cb.on_train_begin(info)
-        # A callback may have restored a backup: carry on from its epoch and batch. A backup taken
-        # after an epoch's last step resumes at the next epoch, not with one step too many.
+            resume = cb.on_train_begin(info)
+            if isinstance(resume, Resume):
+                if resumed_by is not None:
+                    raise ValueError(f"two callbacks resume training ({type(resumed_by).__name__} and "
+                                     f"{type(cb).__name__}); keep one BackupAndRestore")
+                resumed_by = cb
+                info.state, info.step = resume.state, resume.step
+                info.epoch, info.position = resume.epoch, resume.position
+        # Carry on from a resumed run's epoch and batch. A backup taken after an epoch's last step
+        # resumes at the next epoch, not with one step too many.
         start_epoch, start_position = info.epoch, info.position
         if planned is not None and start_position >= planned:
             start_epoch, start_position = start_epoch + 1, 0

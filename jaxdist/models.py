@@ -62,11 +62,26 @@ def get(name: str, num_classes: int = 10) -> nn.Module:
 
 
 def create_train_state(model: nn.Module, sample_input, *, learning_rate: float = 1e-3,
-                       seed: int = 0) -> train_state.TrainState:
-    """Initialises ``model`` on ``sample_input`` with Adam; the same seed gives the same state."""
+                       seed: int = 0, precision: str = "float32", tx=None):
+    """Initialises ``model`` on ``sample_input`` with Adam; the same seed gives the same state.
+
+    Args:
+      precision: a policy name (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``); mixed
+        policies give a ``jaxdist.precision.TrainState`` (float16 with a dynamic loss scale).
+      tx: an optax optimizer to use instead of ``optax.adam(learning_rate)``.
+
+    >>> import numpy as np
+    >>> s = create_train_state(MLP(hidden=(4,)), np.ones((1, 3)), precision="mixed_float16")
+    >>> s.policy.compute_dtype, float(s.loss_scale.scale)
+    ('float16', 32768.0)
+    """
     params = model.init(jax.random.key(seed), jnp.asarray(sample_input))["params"]
-    return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(learning_rate))
+    tx = optax.adam(learning_rate) if tx is None else tx
+    if precision == "float32":
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    from jaxdist.precision import TrainState
+
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, policy=precision)
 
 
 def _unpack(batch):
@@ -76,28 +91,44 @@ def _unpack(batch):
 
 
 def _logits_and_loss(params, state, x, y, mask):
-    logits = state.apply_fn({"params": params}, x)
+    policy = getattr(state, "policy", None)
+    if policy is not None:
+        x = policy.cast_to_compute(x)
+    logits = state.apply_fn({"params": params}, x).astype(jnp.float32)
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     return compute_average_loss(per_example, mask), logits
+
+
+def _grads(state, batch, accumulate: int):
+    """``((loss, logits-or-accuracy), grads)`` for a batch, in micro-batches when ``accumulate > 1``."""
+    from jaxdist.accumulate import accumulate_gradients
+    from jaxdist.precision import value_and_grad
+
+    def loss_fn(params, b):
+        (x, y), mask = _unpack(b)
+        loss, logits = _logits_and_loss(params, state, x, y, mask)
+        return loss, _accuracy(logits, y, mask)
+
+    vg = value_and_grad(loss_fn, state, has_aux=True)
+    return accumulate_gradients(vg, state.params, batch, steps=accumulate, has_aux=True)
 
 
 def _accuracy(logits, y, mask):
     return compute_average_loss((jnp.argmax(logits, -1) == y).astype(jnp.float32), mask)
 
 
-def classifier_train_step(state: train_state.TrainState, batch):
+def classifier_train_step(state: train_state.TrainState, batch, *, accumulate: int = 1):
     """A single-device classification step: ``(state, Batch((x, y), mask)) -> (state, metrics)``.
 
     Written for one device over the global batch; under ``@jaxdist.mirrored`` the same code is
-    distributed with no change.
+    distributed with no change. A ``jaxdist.precision.TrainState`` runs it in mixed precision;
+    ``accumulate=k`` (bind it with ``functools.partial``) takes the gradient in ``k`` micro-batches.
     """
-    (x, y), mask = _unpack(batch)
-    (loss, logits), grads = jax.value_and_grad(_logits_and_loss, has_aux=True)(
-        state.params, state, x, y, mask)
-    return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": _accuracy(logits, y, mask)}
+    (loss, accuracy), grads = _grads(state, batch, accumulate)
+    return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
 
 
-def classifier_replica_step(state: train_state.TrainState, batch):
+def classifier_replica_step(state: train_state.TrainState, batch, *, accumulate: int = 1):
     """The per-replica (``strategy.run``) form of :func:`classifier_train_step`.
 
     Gradients are local to the replica; ``jaxdist.all_reduce(grads, "sum")`` combines them, and
@@ -106,11 +137,9 @@ def classifier_replica_step(state: train_state.TrainState, batch):
     """
     from jaxdist.replica import all_reduce
 
-    (x, y), mask = _unpack(batch)
-    (loss, logits), grads = jax.value_and_grad(_logits_and_loss, has_aux=True)(
-        state.params, state, x, y, mask)
+    (loss, accuracy), grads = _grads(state, batch, accumulate)
     grads = all_reduce(grads, "sum")
-    metrics = all_reduce({"loss": loss, "accuracy": _accuracy(logits, y, mask)}, "sum")
+    metrics = all_reduce({"loss": loss, "accuracy": accuracy}, "sum")
     return state.apply_gradients(grads=grads), metrics
 
 
@@ -119,3 +148,13 @@ def classifier_eval_step(state: train_state.TrainState, batch):
     (x, y), mask = _unpack(batch)
     loss, logits = _logits_and_loss(state.params, state, x, y, mask)
     return {"loss": loss, "accuracy": _accuracy(logits, y, mask)}
+
+
+def classifier_predict_step(state: train_state.TrainState, batch):
+    """Float32 logits for a batch of inputs ``x`` (or of ``(x, y)`` pairs, labels ignored)."""
+    data, _ = _unpack(batch)
+    x = data[0] if isinstance(data, (tuple, list)) else data
+    policy = getattr(state, "policy", None)
+    if policy is not None:
+        x = policy.cast_to_compute(x)
+    return state.apply_fn({"params": state.params}, x).astype(jnp.float32)

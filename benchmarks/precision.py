@@ -1,0 +1,131 @@
+"""Mixed precision and gradient accumulation: step time and memory, as ratios to float32 / k=1.
+
+One invocation measures, on the same devices, model and global batch:
+
+* step time of ``mixed_bfloat16`` and ``mixed_float16`` against ``float32`` (repetitions
+  interleaved, order alternated each round, compilation excluded; median of the per-round ratios);
+* memory of the compiled step: XLA's temporary buffers (activations and gradients) and the live
+  arguments (state + batch), from ``compiled.memory_analysis()``;
+* the same memory figures for gradient accumulation with k = 1, 2, 4, 8 micro-batches (and step
+  time against k = 1).
+
+The model is the benchmark MLP (784-256-128-10 by default; ``--hidden`` to change), Adam.
+Syncs every 8 steps (XLA:CPU deadlocks with too many queued collectives).
+
+    python benchmarks/precision.py [--devices 8] [--batch 4096] [--reps 5] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4096, help="global batch")
+    ap.add_argument("--hidden", default="256,128")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--wide-hidden", default="1024,1024",
+                    help="the activation-bound model of the memory-only section")
+    ap.add_argument("--wide-batch", type=int, default=16384)
+    args = ap.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    import jaxdist
+    from jaxdist import models
+
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:args.devices])
+    x, y = jaxdist.datasets.synthetic(max(args.batch, args.wide_batch), shape=(784,))
+    batch = next(iter(strategy.distribute((x[:args.batch], y[:args.batch]), args.batch)))
+    hidden = tuple(int(h) for h in args.hidden.split(","))
+
+    def make_state(precision):
+        return strategy.put(models.create_train_state(models.MLP(hidden=hidden), x[:1],
+                                                      precision=precision))
+
+    def make_step(k):
+        return jax.jit(functools.partial(models.classifier_train_step, accumulate=k),
+                       donate_argnums=0)
+
+    def memory(step, state, on=None):
+        with jaxdist.replica.enter(strategy._context(per_replica=False)):
+            m = step.lower(state, batch if on is None else on).compile().memory_analysis()
+        return m.temp_size_in_bytes, m.argument_size_in_bytes
+
+    def run(step, state):
+        state, m = step(state, batch)  # warm (compiled already)
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            state, m = step(state, batch)
+            if i % 8 == 7:
+                jax.block_until_ready(m)
+        jax.block_until_ready((state, m))
+        return (time.perf_counter() - t0) / args.steps, state
+
+    def compare(variants: dict, baseline: str) -> dict:
+        """Median over rounds of (variant time / baseline time); order alternates per round."""
+        states = {name: s for name, (_, s) in variants.items()}
+        ratios: dict[str, list[float]] = {n: [] for n in variants if n != baseline}
+        times: dict[str, list[float]] = {n: [] for n in variants}
+        names = list(variants)
+        for r in range(args.reps):
+            order = names if r % 2 == 0 else names[::-1]
+            got = {}
+            for n in order:
+                with jaxdist.replica.enter(strategy._context(per_replica=False)):
+                    got[n], states[n] = run(variants[n][0], states[n])
+                times[n].append(got[n])
+            for n in ratios:
+                ratios[n].append(got[n] / got[baseline])
+        return {n: (statistics.median(times[n]),
+                    statistics.median(ratios[n]) if n in ratios else 1.0) for n in names}
+
+    print(f"{args.devices} CPU devices, MLP 784-{'-'.join(map(str, hidden))}-10, Adam, global batch "
+          f"{args.batch}, {args.reps} interleaved rounds of {args.steps} steps")
+    print("\n[precision] step time and compiled-step memory vs float32")
+    variants = {}
+    for p in ("float32", "mixed_bfloat16", "mixed_float16"):
+        step, state = make_step(1), make_state(p)
+        variants[p] = (step, state)
+    mem = {p: memory(s, st) for p, (s, st) in variants.items()}
+    res = compare(variants, "float32")
+    for p, (t, ratio) in res.items():
+        temp, arg = mem[p]
+        print(f"  {p:15s} {t * 1e3:8.2f} ms/step  time x{ratio:5.2f}  temp {temp / 2**20:7.2f} MiB "
+              f"(x{temp / mem['float32'][0]:.2f})  args {arg / 2**20:6.2f} MiB")
+
+    print("\n[accumulation] float32, k micro-batches per step vs k=1")
+    variants = {f"k={k}": (make_step(k), make_state("float32")) for k in (1, 2, 4, 8)
+                if (args.batch // args.devices) % k == 0}
+    mem = {n: memory(s, st) for n, (s, st) in variants.items()}
+    res = compare(variants, "k=1")
+    for n, (t, ratio) in res.items():
+        temp, arg = mem[n]
+        print(f"  {n:5s} {t * 1e3:8.2f} ms/step  time x{ratio:5.2f}  temp {temp / 2**20:7.2f} MiB "
+              f"(x{temp / mem['k=1'][0]:.2f})")
+
+    wide = tuple(int(h) for h in args.wide_hidden.split(","))
+    wb = args.wide_batch
+    big = next(iter(strategy.distribute((x[:wb], y[:wb]), wb)))
+    print(f"\n[memory only, activation-bound] MLP 784-{'-'.join(map(str, wide))}-10, global batch "
+          f"{wb} ({wb // args.devices} rows a device); per-device bytes of the compiled step")
+    base = None
+    for p, k in [("float32", 1), ("mixed_bfloat16", 1), ("mixed_float16", 1), ("float32", 2),
+                 ("float32", 4), ("float32", 8), ("mixed_bfloat16", 8)]:
+        st = strategy.put(models.create_train_state(models.MLP(hidden=wide), x[:1], precision=p))
+        temp, arg = memory(make_step(k), st, on=big)
+        base = base or temp
+        print(f"  {p:15s} k={k}  temp {temp / 2**20:8.2f} MiB (x{temp / base:.2f})  "
+              f"args {arg / 2**20:7.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Callbacks that write checkpoints: ``ModelCheckpoint`` (when its save policy says) and
+``BackupAndRestore`` (resume an interrupted run exactly; save on a preemption notice)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxdist.callbacks.core import Callback, Resume, TrainInfo
+from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
+                                           SaveCandidate, SavePolicy, resolve_mode)
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingPreempted(SystemExit):
+    """Raised (after a checkpoint is durable) when training stops for a preemption notice (SIGTERM).
+
+    It is a ``SystemExit``: uncaught, the process exits with ``code`` (0 by default, a clean exit);
+    rerunning the same command resumes from the checkpoint.
+    """
+
+
+class _PreemptionNotice:
+    """Whether every process has agreed to stop at this step.
+
+    Across processes, JAX's preemption sync manager (started by ``jax.distributed.initialize``)
+    catches SIGTERM and picks a step that every process reaches; on one process a SIGTERM handler
+    sets a flag that the next step boundary reads.
+    """
+
+    def __init__(self):
+        self._flag = False
+        self._previous = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        logger.warning("SIGTERM received: saving a checkpoint at the next step boundary")
+        self._flag = True
+
+    def uninstall(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def reached(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self._flag
+
+
+class ModelCheckpoint(Callback):
+    """Saves the state (and the input position) when its save policy says so (Keras semantics).
+
+    By default a checkpoint is written at every epoch end. ``save_best_only=True`` saves only when
+    ``monitor`` improves (``mode``: ``"min"``, ``"max"`` or ``"auto"``); ``save_freq=N`` (or
+    ``every_n_steps=N``) also saves every N steps; ``policy=`` takes any
+    ``jaxdist.callbacks.SavePolicy`` (``EveryNSteps``, ``EveryNEpochs``, ``BestMetric``,
+    ``AnyOf``, or your own ``should_save(candidate, previous)``) instead. ``max_to_keep`` bounds
+    the checkpoints on disk: the newest ones, or with ``keep="best"`` those with the best
+    ``monitor`` (steps saved without it are kept too). A checkpoint restores for inference without a
+    template: ``CheckpointManager(directory).restore()["params"]``.
+
+    Args:
+      directory: checkpoint directory (shared by all processes).
+      monitor, mode, save_best_only: as Keras's ``ModelCheckpoint``.
+      save_freq: ``"epoch"`` or an int: steps between saves (Keras's meaning).
+      every_n_steps: the same as an int ``save_freq`` (kept for older code).
+      save_at_epoch_end: with a step period, also save at epoch ends.
+      policy: a ``SavePolicy`` overriding the options above.
+      max_to_keep: checkpoints kept on disk (None: all).
+      keep: ``"latest"`` or ``"best"`` (by ``monitor``).
+      async_save: write in the background.
+
+    Raises:
+      ValueError: conflicting or bad options.
+
+    >>> import tempfile
+    >>> mc = ModelCheckpoint(tempfile.mkdtemp(), monitor="val_accuracy", save_best_only=True,
+    ...                      max_to_keep=2, keep="best")
+    >>> mc.policy
+    BestMetric(monitor='val_accuracy', mode='max', min_delta=0.0, at_epoch_end=True)
+    """
+
+    def __init__(self, directory: str, *, monitor: str = "val_loss", mode: str = "auto",
+                 save_best_only: bool = False, save_freq: str | int = "epoch",
+                 every_n_steps: int | None = None, save_at_epoch_end: bool = True,
+                 policy: SavePolicy | None = None, max_to_keep: int | None = 3,
+                 keep: str = "latest", async_save: bool = True):
+        from jaxdist.checkpoint import CheckpointManager
+
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
+            raise ValueError(f"save_freq={save_freq!r}; expected 'epoch' or an int >= 1 (steps)")
+        if keep not in ("latest", "best"):
+            raise ValueError(f"keep={keep!r}; expected 'latest' or 'best'")
+        if policy is not None and save_best_only:
+            raise ValueError("pass either policy= or save_best_only=True, not both (use "
+                             "AnyOf(BestMetric(...), ...) to combine)")
+        self.monitor = monitor
+        self.mode = resolve_mode(mode, monitor)
+        every = every_n_steps if every_n_steps is not None else (
+            None if save_freq == "epoch" else int(save_freq))
+        if policy is None:
+            if save_best_only:
+                policy = BestMetric(monitor, self.mode, at_epoch_end=every is None)
+            else:
+                parts = ([EveryNSteps(every)] if every else []) + (
+                    [EveryNEpochs()] if save_at_epoch_end or every is None else [])
+                policy = parts[0] if len(parts) == 1 else AnyOf(*parts)
+        if not isinstance(policy, SavePolicy):
+            raise TypeError(f"policy={policy!r} has no should_save(candidate, previous)")
+        self.policy = policy
+        self._keep_best = keep == "best"
+        self.manager = CheckpointManager(directory, max_to_keep=max_to_keep, async_save=async_save,
+                                         best_metric=monitor if self._keep_best else None,
+                                         best_mode=self.mode)
+        self._last_saved: int | None = self.manager.latest_step()
+        self.saved: list[SaveCandidate] = []
+
+    @property
+    def best(self) -> float | None:
+        """The best ``monitor`` value among the checkpoints this callback saved (None if none)."""
+        seen = [c.logs[self.monitor] for c in self.saved if self.monitor in c.logs]
+        if not seen:
+            return None
+        return min(seen) if self.mode == "min" else max(seen)
+
+    def on_train_begin(self, info: TrainInfo) -> None:
+        # A resumed run compares against what the earlier run saved (its logs are in the metadata).
+        self.saved = []
+        for step in self.manager.all_steps():
+            try:
+                user = self.manager.metadata(step).get("user") or {}
+            except Exception:  # noqa: BLE001 - an unreadable old step just does not count
+                continue
+            self.saved.append(SaveCandidate(step=step, epoch=int(user.get("epoch", 0)),
+                                            epoch_end=bool(user.get("epoch_end", False)),
+                                            logs=dict(user.get("logs") or {})))
+
+    def _candidate(self, info: TrainInfo, epoch_done: bool) -> SaveCandidate:
+        return SaveCandidate(step=info.step, epoch=info.epoch, epoch_end=epoch_done,
+                             logs={k: float(v) for k, v in info.logs.items()})
+
+    def _save(self, info: TrainInfo, *, epoch_done: bool = False) -> None:
+        if info.step == self._last_saved:
+            return
+        cand = self._candidate(info, epoch_done)
+        # After an epoch ends, the next batch to train on is the first of the next epoch.
+        data = ({"epoch": info.epoch + 1, "position": 0} if epoch_done
+                else info.iterator.state() if info.iterator is not None else None)
+        metrics = ({self.monitor: cand.logs[self.monitor]}
+                   if self._keep_best and self.monitor in cand.logs else None)
+        self.manager.save(info.step, info.state, data_state=data, metrics=metrics,
+                          metadata={"logs": dict(cand.logs), "epoch": info.epoch,
+                                    "epoch_end": epoch_done})
+        self._last_saved = info.step
+        self.saved.append(cand)
+
+    def _consider(self, info: TrainInfo, epoch_done: bool) -> None:
+        if info.step != self._last_saved and self.policy.should_save(
+                self._candidate(info, epoch_done), tuple(self.saved)):
+            self._save(info, epoch_done=epoch_done)
+
+    def on_train_batch_end(self, info: TrainInfo) -> None:
+        self._consider(info, False)
+
+    def on_epoch_end(self, info: TrainInfo) -> None:
+        self._consider(info, True)
+
+    def on_train_end(self, info: TrainInfo) -> None:
+        self.manager.wait_until_finished()
+        if self._last_saved is not None and jax.process_index() == 0:
+            from jaxdist.evaluator import mark_final
+
+            # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
+            mark_final(self.manager.directory, self._last_saved)
+
+
+class BackupAndRestore(ModelCheckpoint):
+    """Resumes an interrupted ``fit`` exactly where its last backup left it; saves on SIGTERM.
+
+    At the start of training, if ``directory`` holds a backup, the state, the step counter and the
+    input position (epoch and batch) are restored, so the resumed run sees exactly the batches the
+    uninterrupted one would have, and ends with the same parameters. On a preemption notice
+    (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
+    and ``TrainingPreempted`` ends the process cleanly.
+
+    Args:
+      directory: backup directory (shared by all processes).
+      every_n_steps: backup period in steps (None: epoch ends only).
+      delete_on_success: remove the backups when training completes (as Keras does).
+      preemption_exit_code: exit status after a preemption save.
+    """
+
+    def __init__(self, directory: str, *, every_n_steps: int | None = None,
+                 delete_on_success: bool = False, preemption_exit_code: int = 0):
+        super().__init__(directory, every_n_steps=every_n_steps, max_to_keep=2)
+        self.policy = AnyOf(*([EveryNSteps(every_n_steps)] if every_n_steps else []),
+                            EveryNEpochs())
+        self._delete = delete_on_success
+        self._exit_code = preemption_exit_code
+        self._notice = _PreemptionNotice()
+        self.restored_step: int | None = None
+
+    def on_train_begin(self, info: TrainInfo) -> Resume | None:
+        self._notice.install()
+        self.saved = []
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        meta = self.manager.metadata(step)
+        state = self.manager.restore(step, target=info.state, strategy=info.strategy)
+        data = meta.get("data") or {}
+        resume = Resume(state=state, step=meta["step"], epoch=data.get("epoch", info.epoch),
+                        position=data.get("position", 0), source=step)
+        self.restored_step = step
+        logger.info("restored backup step %d (epoch %d, batch %d)", step, resume.epoch,
+                    resume.position)
+        return resume
+
+    def on_train_batch_end(self, info: TrainInfo) -> None:
+        super().on_train_batch_end(info)
+        if self._notice.reached(info.step):
+            self._save(info)
+            self.manager.wait_until_finished()
+            raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()
+
+    def on_train_end(self, info: TrainInfo) -> None:
+        super().on_train_end(info)
+        if self._delete and jax.process_index() == 0:
+            import shutil
+
+            shutil.rmtree(self.manager.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        self._notice.uninstall()
+
+

@@ -1,0 +1,90 @@
+"""The callback protocol: what ``fit`` tells callbacks (``TrainInfo``) and what they may answer.
+
+The library never owns a mutable model. A callback that resumes a run *returns* a :class:`Resume`
+from ``on_train_begin`` (``fit`` carries on from it); one that changes the state later (a restore,
+a new learning rate) assigns ``info.state``; one that stops training sets ``info.stop_training``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxdist._types import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where a resumed ``fit`` starts: returned by a callback's ``on_train_begin``.
+
+    Attributes:
+      state: the restored train state (placed the strategy's way).
+      step: optimizer steps already taken.
+      epoch: the epoch to continue (0-based).
+      position: batches of ``epoch`` already consumed.
+      source: where it came from, for logs (a checkpoint step, say).
+
+    >>> Resume(state={"w": 0.0}, step=12, epoch=1, position=0).step
+    12
+    """
+
+    state: PyTree
+    step: int
+    epoch: int = 0
+    position: int = 0
+    source: Any = None
+
+
+@dataclasses.dataclass
+class TrainInfo:
+    """What a callback sees.
+
+    Attributes:
+      epoch: the current epoch (0-based).
+      step: optimizer steps completed since the start of training (all epochs).
+      state: the current train state (device arrays; reading it forces a sync, so don't every step).
+      logs: the latest metrics read back from the device (they lag the newest step by a few steps).
+      epoch_steps: steps in this epoch so far.
+      steps_per_epoch: planned steps per epoch, or None when unknown.
+      stop_training: set True to end training after this step / epoch.
+      position: batches of ``epoch`` already consumed when training (re)starts (``fit`` sets it
+        from the ``Resume`` a callback returns).
+      iterator: the epoch's ``DistributedIterator`` (its ``state()`` is the input position).
+      strategy: the strategy the step runs under.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    state: PyTree = None
+    logs: dict[str, float] = dataclasses.field(default_factory=dict)
+    epoch_steps: int = 0
+    steps_per_epoch: int | None = None
+    epochs: int = 1
+    global_batch_size: int | None = None
+    stop_training: bool = False
+    position: int = 0
+    iterator: Any = None
+    strategy: Any = None
+
+
+class Callback:
+    """Base class: override the hooks you need (all are no-ops here).
+
+    ``on_train_begin`` may return a :class:`Resume` to continue an earlier run (at most one
+    callback may); ``fit`` then starts from its state, step and input position.
+    """
+
+    def on_train_begin(self, info: TrainInfo) -> "Resume | None": ...
+
+    def on_epoch_begin(self, info: TrainInfo) -> None: ...
+
+    def on_train_batch_end(self, info: TrainInfo) -> None: ...
+
+    def on_epoch_end(self, info: TrainInfo) -> None: ...
+
+    def on_train_end(self, info: TrainInfo) -> None: ...
+
+    def close(self) -> None:
+        """Releases resources; ``fit`` calls it last, also when training raised."""
+
+
