@@ -79,11 +79,15 @@ def main() -> None:
               f"restore {r:.3f} s")
     print(f"async blocking / sync save time = {med['async'][0] / med['sync'][1]:.3f}  "
           f"(target <= 0.2)")
+
+    def restore(tag: str) -> float:
+        return statistics.median([med[f"async{tag}"][2], med[f"sync{tag}"][2]])
+
     print("with / without digests: "
           f"async blocking {med['async'][0] / med['async-nodigest'][0]:.2f}, "
           f"async total {med['async'][1] / med['async-nodigest'][1]:.2f}, "
           f"sync save {med['sync'][1] / med['sync-nodigest'][1]:.2f}, "
-          f"restore {statistics.median([med['async'][2], med['sync'][2]]) / statistics.median([med['async-nodigest'][2], med['sync-nodigest'][2]]):.2f}")
+          f"restore {restore('') / restore('-nodigest'):.2f}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def _leaf_digest(x: jax.Array, spread: jax.sharding.NamedSharding | None) -> jax
     index = jnp.zeros(w.shape, jnp.uint32)
     stride = 1
     for d in range(w.ndim - 1, -1, -1):
-        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        step = jnp.uint32(stride & 0xFFFFFFFF)
+        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, d) * step
         stride *= w.shape[d]
     lanes = [jnp.sum(w * (_fmix32(index ^ jnp.uint32(s)) | jnp.uint32(1)), dtype=jnp.uint32)
              for s in _SALTS]
@@ -86,20 +87,20 @@ def _spread(x) -> jax.sharding.NamedSharding | None:
     return None
 
 
-def tree_digests(tree: PyTree) -> dict[str, list[int]]:
-    """``{keystr(path): [lane0, lane1]}`` for every array leaf of ``tree`` (collective).
+def _in_device_memory(x: jax.Array) -> jax.Array:
+    """``x`` itself, or a copy in device memory when it lives in host memory (as
+    ``CentralStorageStrategy`` keeps state): XLA computes on device memory only."""
+    s = x.sharding
+    kind = s.memory_kind
+    default = next(iter(s.device_set)).default_memory().kind
+    return x if kind is None or kind == default else jax.device_put(x, s.with_memory_kind(default))
 
-    Args:
-      tree: a pytree of ``jax.Array`` (any sharding, any number of processes), numpy arrays or
-        scalars.
 
-    Returns:
-      The digests as plain ints, the same on every process.
+def dispatch_digests(tree: PyTree) -> dict[str, jax.Array]:
+    """Starts computing the digests of ``tree``'s leaves; returns without waiting for them.
 
-    >>> import jax.numpy as jnp
-    >>> a = tree_digests({"w": jnp.arange(4.0)})
-    >>> a == tree_digests({"w": jnp.arange(4.0)}), a == tree_digests({"w": jnp.arange(4.0) + 1})
-    (True, False)
+    The computation holds its inputs, so the caller may donate or delete ``tree`` right after.
+    Pass the result to ``materialize``. A collective: every process calls it with its tree.
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     groups: dict[object, list[int]] = {}
@@ -109,14 +110,37 @@ def tree_digests(tree: PyTree) -> dict[str, list[int]]:
             leaf = jnp.asarray(leaf)
             key: object = None  # uncommitted: runs on the default device
         else:
+            leaf = _in_device_memory(leaf)
             key = frozenset(leaf.sharding.device_set)
         leaves.append(leaf)
         groups.setdefault(key, []).append(i)
-    out: dict[str, list[int]] = {}
+    out: dict[str, jax.Array] = {}
     for members in groups.values():
         group = [leaves[i] for i in members]
         results = _digest_group_jit(group, tuple(_spread(x) for x in group))
         for i, r in zip(members, results, strict=True):
-            value = np.asarray(r.addressable_data(0))
-            out[jax.tree_util.keystr(flat[i][0])] = [int(v) for v in value]
+            out[jax.tree_util.keystr(flat[i][0])] = r
     return out
+
+
+def materialize(pending: dict[str, jax.Array]) -> dict[str, list[int]]:
+    """Waits for ``dispatch_digests``'s results; ``{keystr(path): [lane0, lane1]}`` as ints."""
+    return {k: [int(v) for v in np.asarray(r.addressable_data(0))] for k, r in pending.items()}
+
+
+def tree_digests(tree: PyTree) -> dict[str, list[int]]:
+    """``{keystr(path): [lane0, lane1]}`` for every array leaf of ``tree`` (collective).
+
+    Args:
+      tree: a pytree of ``jax.Array`` (any sharding or memory kind, any number of processes),
+        numpy arrays or scalars.
+
+    Returns:
+      The digests as plain ints, the same on every process.
+
+    >>> import jax.numpy as jnp
+    >>> a = tree_digests({"w": jnp.arange(4.0)})
+    >>> a == tree_digests({"w": jnp.arange(4.0)}), a == tree_digests({"w": jnp.arange(4.0) + 1})
+    (True, False)
+    """
+    return materialize(dispatch_digests(tree))

@@ -236,9 +236,9 @@ class BackupAndRestore(ModelCheckpoint):
     At the start of training, if ``directory`` holds a backup, the state, the step counter and the
     input position (epoch and batch) are restored from the newest backup that restores intact
     (newer ones that are corrupt or incomplete are skipped with a warning), so the resumed run sees
-    exactly the batches the uninterrupted one would have, and ends with the same parameters. On a preemption notice
-    (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
-    and ``TrainingPreempted`` ends the process cleanly.
+    exactly the batches the uninterrupted one would have, and ends with the same parameters. On a
+    preemption notice (SIGTERM; agreed across processes) a backup is written at the next step
+    boundary, made durable, and ``TrainingPreempted`` ends the process cleanly.
 
     Args:
       directory: backup directory (shared by all processes).

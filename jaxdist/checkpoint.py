@@ -15,8 +15,6 @@ Multi-process contract: every process constructs the manager with the same direc
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,7 +23,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxdist._digest import tree_digests
+from jaxdist._ckpt_integrity import (CompleteSteps, DigestsRestore, DigestsSave, Pending,
+                                     meta_checksum)
+from jaxdist._digest import dispatch_digests, tree_digests
 from jaxdist._types import PyTree
 
 if TYPE_CHECKING:
@@ -72,44 +72,6 @@ class Restored(NamedTuple):
     metadata: dict
 
 
-_STEP_FILE = "_CHECKPOINT_METADATA"  # Orbax writes it into every step it commits
-
-
-class _CompleteSteps:
-    """Orbax's standard step naming, listing only step directories that a save completed.
-
-    Orbax counts any directory named by an integer as a committed step, so a stray empty ``99/``
-    (a half-copied backup, an operator's ``mkdir``) would become the "latest" step and, with
-    ``max_to_keep``, even make Orbax delete good steps to keep it.
-    """
-
-    def __init__(self, directory: str):
-        self._std = ocp.step.standard_name_format()
-        self._directory = directory
-        self._warned: set[str] = set()
-
-    def build_name(self, step: int) -> str:
-        return self._std.build_name(step)
-
-    def find_step(self, base_path, step: int):
-        return self._std.find_step(base_path, step)
-
-    def find_all(self, base_path):
-        for m in self._std.find_all(base_path):
-            missing = [n for n in (_STEP_FILE, "state", "meta") if not (m.path / n).exists()]
-            if not missing:
-                yield m
-            elif str(m.path) not in self._warned:
-                self._warned.add(str(m.path))
-                logger.warning("ignoring %s: not a complete checkpoint (no %s); remove it if it "
-                               "is not yours", m.path, ", ".join(missing))
-
-
-def _meta_checksum(meta: dict) -> str:
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def _all_agree(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when there are several)."""
     if jax.process_count() == 1:
@@ -150,9 +112,10 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.verify = verify
-        self._names = _CompleteSteps(self.directory)
+        self._async = async_save
+        self._names = CompleteSteps(self.directory)
         self._mgr = ocp.CheckpointManager(
-            self.directory, item_names=("state", "meta"),
+            self.directory, item_names=("state", "meta", "digests"),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                  enable_async_checkpointing=async_save,
                                                  step_name_format=self._names))
@@ -180,13 +143,24 @@ class CheckpointManager:
         """
         if data_state is None and data_iterator is not None:
             data_state = data_iterator.state()
-        meta = {"step": int(step), "data": data_state, "user": metadata or {}}
+        meta = {"step": int(step), "data": data_state, "user": metadata or {},
+                "digested": self.verify}
+        meta["checksum"] = meta_checksum(meta)
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        pending = Pending()
         if self.verify:
-            meta["digests"] = tree_digests(state)
-        meta["checksum"] = _meta_checksum(meta)
-        with self._failures(f"saving checkpoint step {step}"):
-            started = self._mgr.save(int(step), args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+            items["digests"] = DigestsSave(pending)
+            if not self._async:  # Orbax writes the items before save() returns
+                pending.set(dispatch_digests(state))
+        try:
+            with self._failures(f"saving checkpoint step {step}"):
+                started = self._mgr.save(int(step), args=ocp.args.Composite(**items), force=force)
+            if started and self.verify and self._async:
+                # Computed on the devices while Orbax writes the arrays in the background.
+                pending.set(dispatch_digests(state))
+        except BaseException as e:  # never leave Orbax's background commit waiting for them
+            pending.set(e)
+            raise
         self._pending = int(step) if started else self._pending
         return started
 
@@ -231,8 +205,9 @@ class CheckpointManager:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                raise CheckpointError(f"no checkpoint in {self.directory}; save one first, or check "
-                                      "the directory (a save that crashed midway is not listed)")
+                raise CheckpointError(f"no checkpoint in {self.directory}; save one first, or "
+                                      "check the directory (a save that crashed midway is not "
+                                      "listed)")
             return steps[-1]
         if step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available "
@@ -329,10 +304,20 @@ class CheckpointManager:
         return out
 
     def _verify(self, step: int, state: PyTree, hint: str) -> None:
-        saved = self.metadata(step).get("digests")
-        if saved is None:
+        if not self.metadata(step).get("digested"):
             logger.info("checkpoint step %d has no digests (written unverified); not checked", step)
             return
+        try:
+            record = dict(self._mgr.restore(step, args=ocp.args.Composite(
+                digests=DigestsRestore()))["digests"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory}: its digests cannot "
+                                  f"be read ({type(e).__name__}: {e}); restore another step "
+                                  f"({hint})") from e
+        saved = record.get("digests")
+        if record.get("checksum") != meta_checksum({"digests": saved}):
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt: its "
+                                  f"digest file fails its checksum. Restore another step ({hint})")
         now = tree_digests(state)
         bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if bad:
@@ -354,7 +339,7 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: metadata cannot be "
                                   f"read ({type(e).__name__}: {e})") from e
-        if "checksum" in meta and meta["checksum"] != _meta_checksum(meta):
+        if "checksum" in meta and meta["checksum"] != meta_checksum(meta):
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: its metadata "
                                   "fails its checksum (a damaged or altered file); restore "
                                   "another step")

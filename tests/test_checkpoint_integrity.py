@@ -75,6 +75,25 @@ def test_a_damaged_metadata_file_is_detected(tmp_path):
             mgr.metadata(1)
 
 
+def test_a_damaged_or_missing_digest_file_is_detected(tmp_path):
+    with CheckpointManager(tmp_path, async_save=True) as mgr:
+        mgr.save(1, _state())
+        mgr.save(2, _state())
+    path = tmp_path / "1" / "digests" / "metadata"
+    path.write_text(path.read_text().replace("1", "2", 1))
+    shutil.rmtree(tmp_path / "2" / "digests")
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(CheckpointError, match="step 1 .*digest file fails its checksum"):
+            mgr.restore(1, target=_zeros(_state()))
+        with pytest.raises(CheckpointError, match="step 2 .*digests cannot be read"):
+            mgr.restore(2, target=_zeros(_state()))
+        # Written with verify=False: restores without a check.
+        mgr.verify = False
+        mgr.save(3, _state())
+        mgr.verify = True
+        assert float(mgr.restore(3, target=_zeros(_state()))["step"]) == 7
+
+
 def test_digests_verify_on_a_different_device_count(tmp_path):
     saved = jaxdist.MirroredStrategy().put(_state())
     with CheckpointManager(tmp_path, async_save=False) as mgr:
