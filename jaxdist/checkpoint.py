@@ -96,7 +96,7 @@ class CheckpointManager:
       max_to_keep: newest checkpoints kept (older ones are deleted after a successful save).
       async_save: write in the background; ``save`` returns once the device arrays are copied.
       verify: write digests on save and check them on restore (about 1 s per GB of state on
-        2 CPU cores; see README). Checkpoints written without digests restore unverified.
+        2 loaded CPU cores; benchmarks/checkpoint.py). Steps written without them restore unverified.
 
     >>> import tempfile, jax.numpy as jnp
     >>> with tempfile.TemporaryDirectory() as d:
