@@ -2,6 +2,9 @@
 
 Interleaved repetitions, each save into a fresh step of one CheckpointManager per mode; "blocking"
 is the time `save()` holds the training loop, "total" adds `wait_until_finished()` (durable).
+Each mode runs with integrity digests (the default, `verify=True`) and without (`-nodigest`),
+and each rep also times a restore of the step just written: the ratios with / without digests
+are the cost of corruption detection.
 
     python benchmarks/checkpoint.py [--mb 256] [--reps 3] [--devices 8]
 """
@@ -43,33 +46,52 @@ def main() -> None:
     jax.block_until_ready(state)
     size = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
     root = tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-", dir=args.dir)
-    managers = {"async": CheckpointManager(f"{root}/async", max_to_keep=1, async_save=True),
-                "sync": CheckpointManager(f"{root}/sync", max_to_keep=1, async_save=False)}
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in managers}
+    managers = {f"{mode}{tag}": CheckpointManager(f"{root}/{mode}{tag}", max_to_keep=1,
+                                                   async_save=mode == "async", verify=verify)
+                for mode in ("async", "sync") for tag, verify in (("", True), ("-nodigest", False))}
+    results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in managers}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     try:
         for mode, mgr in managers.items():  # warm-up: first saves pay one-off setup costs
             mgr.save(0, state)
             mgr.wait_until_finished()
+        for mgr in managers.values():  # warm-up of the restore path too
+            jax.block_until_ready(mgr.restore(0, target=target, strategy=strategy))
         for rep in range(1, args.reps + 1):
-            for mode, mgr in managers.items():
+            order = list(managers.items())
+            for mode, mgr in order if rep % 2 else order[::-1]:  # alternate the order
                 t0 = time.perf_counter()
                 mgr.save(rep, state)
                 blocked = time.perf_counter() - t0
                 mgr.wait_until_finished()
-                results[mode].append((blocked, time.perf_counter() - t0))
-                print(f"rep {rep} {mode:5s}: blocking {blocked:7.3f} s   total {results[mode][-1][1]:7.3f} s")
+                total = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                jax.block_until_ready(mgr.restore(rep, target=target, strategy=strategy))
+                results[mode].append((blocked, total, time.perf_counter() - t1))
+                print(f"rep {rep} {mode:14s}: blocking {blocked:7.3f} s   total {total:7.3f} s"
+                      f"   restore {results[mode][-1][2]:7.3f} s")
     finally:
         for mgr in managers.values():
             mgr.close()
         shutil.rmtree(root, ignore_errors=True)
-    med = {m: (statistics.median(b for b, _ in r), statistics.median(t for _, t in r))
+    med = {m: tuple(statistics.median(x[i] for x in r) for i in range(3))
            for m, r in results.items()}
     print(f"\nstate {size:.0f} MB replicated on {strategy.num_replicas_in_sync} devices, "
           f"{args.reps} interleaved reps, medians:")
-    for m, (b, t) in med.items():
-        print(f"  {m:5s}: blocking {b:.3f} s, total {t:.3f} s ({size / t:.0f} MB/s)")
+    for m, (b, t, r) in med.items():
+        print(f"  {m:14s}: blocking {b:.3f} s, total {t:.3f} s ({size / t:.0f} MB/s), "
+              f"restore {r:.3f} s")
     print(f"async blocking / sync save time = {med['async'][0] / med['sync'][1]:.3f}  "
           f"(target <= 0.2)")
+
+    def restore(tag: str) -> float:
+        return statistics.median([med[f"async{tag}"][2], med[f"sync{tag}"][2]])
+
+    print("with / without digests: "
+          f"async blocking {med['async'][0] / med['async-nodigest'][0]:.2f}, "
+          f"async total {med['async'][1] / med['async-nodigest'][1]:.2f}, "
+          f"sync save {med['sync'][1] / med['sync-nodigest'][1]:.2f}, "
+          f"restore {restore('') / restore('-nodigest'):.2f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def split_address(address: Any) -> tuple[str, int]:
         raise ValueError("an IPv6 host must be written in brackets, '[addr]:port'")
     if not host or any(c.isspace() for c in host):
         raise ValueError("empty host or whitespace in host")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not is_decimal(port) or not 0 < int(port) < 65536:
         raise ValueError(f"port {port!r} is not an integer in 1..65535")
     return host, int(port)
 
@@ -79,6 +79,38 @@ def _check_addresses(groups: Mapping[str, Sequence[str]]) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_decimal(text: str) -> bool:
+    """Whether ``text`` is a plain ASCII decimal number: ``"12"``, not ``" 2 "``, ``"+2"`` or
+    ``"٢"`` (``int()`` accepts all three, and any Unicode digits).
+
+    >>> [is_decimal(t) for t in ("12", " 2 ", "+2", "\u0662", "")]
+    [True, False, False, False, False]
+    """
+    return text.isascii() and text.isdigit()
+
+
+def parse_count(name: str, text: str) -> int:
+    """Parses a process count, id or port given as text (an env var, a command-line option).
+
+    Args:
+      name: what the value is, for the error (e.g. ``"JAXDIST_NUM_PROCESSES"``).
+      text: the text.
+
+    Returns:
+      The integer.
+
+    Raises:
+      ValueError: ``text`` is not made only of ASCII digits 0-9.
+
+    >>> parse_count("-n", "4")
+    4
+    """
+    if not isinstance(text, str) or not is_decimal(text):
+        raise _fail(name, text, "not an integer (only the ASCII digits 0-9, no sign, spaces or "
+                    "other scripts' digits)", f"write {name} as e.g. 2")
+    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +259,7 @@ class ClusterSpec:
                              "start the processes with `jaxdist launch -n N script.py`.")
         values = {}
         for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
-            try:
-                values[name] = int(environ[name])
-            except ValueError:
-                raise _fail(name, environ[name], "not an integer",
-                            f"set {name} to a decimal integer") from None
+            values[name] = parse_count(name, environ[name])
         return cls(coordinator_address=environ[ENV_COORDINATOR],
                    num_processes=values[ENV_NUM_PROCESSES],
                    process_id=values[ENV_PROCESS_ID])
@@ -318,7 +346,11 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
         raise _fail("TF_CONFIG['task']['type']", task_type, "the cluster has no such job "
                     f"(jobs: {sorted(jobs)})", f"add a {task_type!r} list to 'cluster'")
     n = len(jobs[task_type])
-    if not _is_int(index) or not 0 <= index < n:
+    if not _is_int(index):  # "0" and true (a bool is an int in Python) are not indexes
+        raise _fail("TF_CONFIG['task']['index']", index,
+                    f"not an integer (a JSON {type(index).__name__}); expected a number in "
+                    f"0..{n - 1}", 'write the index as a JSON number, e.g. "index": 0')
+    if not 0 <= index < n:
         raise _fail("TF_CONFIG['task']['index']", index,
                     f"out of range: cluster[{task_type!r}] has {n} address(es), valid indexes "
                     f"0..{n - 1}", "use an integer index within the job's list")

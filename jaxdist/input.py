@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxdist._datacheck import warn_non_finite
 from jaxdist._types import PyTree
 from jaxdist.input_local import (AutoShardPolicy, ShardableSource, StepSync, new_stream_name,
                                  pipelines, regroup, rows_of, synced)
@@ -70,6 +71,7 @@ class DistributedDataset:
                     "per process use strategy.distribute_datasets_from_function")
             self._num_examples = check_batch_leaves(data, self.strategy.num_replicas_in_sync,
                                                     what="dataset")
+            warn_non_finite(data, what="dataset")
             self._arrays = jax.tree.map(np.asarray, data)
             self._iterable = None
         elif isinstance(data, Iterable) or callable(data):

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.cluster import ENV_RESTART_COUNT, ClusterSpec
+from jaxdist.cluster import ENV_RESTART_COUNT, ClusterSpec, parse_count
 
 _PREFIX = "jaxdist launch: "
 EXIT_TIMEOUT = 124
@@ -301,18 +301,33 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(argv), []
 
 
+def _count(flag: str):
+    """An argparse type: ASCII decimal digits only (``int`` also takes " 2 " and "٢")."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_count(flag, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxdist launch",
         usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
         description="Run N local processes of one multi-process JAX job.")
-    parser.add_argument("-n", "--num-processes", type=int, required=True,
+    parser.add_argument("-n", "--num-processes", type=_count("--num-processes"), required=True,
                         help="number of processes")
-    parser.add_argument("--devices-per-process", type=int, metavar="K",
+    parser.add_argument("--devices-per-process", type=_count("--devices-per-process"),
+                        metavar="K",
                         help="give each process K simulated CPU devices")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    parser.add_argument("--max-restarts", type=_count("--max-restarts"), default=0, metavar="R",
                         help="restart the whole group up to R times after a failure")
-    parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    parser.add_argument("--port", type=_count("--port"),
+                        help="coordinator port (default: a free one)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="kill the job after this long (exit code 124)")
     parser.add_argument("--grace-period", type=float, default=20.0, metavar="SECONDS",

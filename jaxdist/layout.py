@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import replica
+from jaxdist._datacheck import check_fits_jax_dtype
 from jaxdist._types import PyTree
 
 
@@ -168,7 +169,8 @@ def check_batch_leaves(tree: PyTree, num_replicas: int, *, what: str) -> int:
     """Checks that every leaf is an array with the same leading dimension; returns it.
 
     Raises:
-      ValueError: naming the offending leaf and its shape/type.
+      ValueError: naming the offending leaf and its shape/type, or a value that does not fit the
+        dtype JAX will store it in (uint64 2**63 without x64, say).
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not flat:
@@ -181,6 +183,7 @@ def check_batch_leaves(tree: PyTree, num_replicas: int, *, what: str) -> int:
                 f"{what} leaf {_path_str(path)} is {kind}; every leaf must be a numpy or jax array "
                 "whose first axis indexes examples (convert lists with np.asarray)")
         sizes[_path_str(path)] = np.shape(leaf)[0]
+    check_fits_jax_dtype(tree, what=what)
     if len(set(sizes.values())) != 1:
         raise ValueError(f"{what} leaves have different leading (example) dimensions: {sizes}; "
                          "every leaf must have one row per example")

@@ -57,9 +57,11 @@ def test_missing_and_corrupt_checkpoints_leave_older_ones_usable(tmp_path):
                 with open(os.path.join(root, f), "r+b") as fh:
                     fh.truncate(3)
     with pytest.raises(CheckpointError, match=r"step 2 .* cannot be restored.*steps you can "
-                                              r"restore: \[1\]"):
-        mgr.restore(target=_state())
+                                              r"try instead: \[1\]"):
+        mgr.restore(2, target=_state())
     _assert_trees_equal(mgr.restore(1, target=_state()), first)
+    # Without a step, the newest step that restores intact (a warning names step 2).
+    _assert_trees_equal(mgr.restore(target=_state()), first)
     # A target of the wrong structure is reported the same way.
     with pytest.raises(CheckpointError, match=r"Check that `target` has the saved state's structure"):
         mgr.restore(1, target={"w": np.zeros(3)})

@@ -3,7 +3,7 @@
 * :mod:`~jaxdist.callbacks.core`: the protocol (``Callback``, ``TrainInfo``, ``Resume``).
 * :mod:`~jaxdist.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore`` and the save
   policies of :mod:`~jaxdist.callbacks.save_policy`.
-* :mod:`~jaxdist.callbacks.schedules`: ``LearningRateScheduler``, ``EarlyStopping``.
+* :mod:`~jaxdist.callbacks.schedules`: ``LearningRateScheduler``, ``EarlyStopping``, ``TerminateOnNaN``.
 * :mod:`~jaxdist.callbacks.reporting`: ``ProgressBar``, ``TensorBoard``.
 
 Every public name is importable as ``jaxdist.callbacks.X``.
@@ -29,9 +29,10 @@ from jaxdist.callbacks.save_policy import SaveCandidate as SaveCandidate
 from jaxdist.callbacks.save_policy import SavePolicy as SavePolicy
 from jaxdist.callbacks.schedules import EarlyStopping as EarlyStopping
 from jaxdist.callbacks.schedules import LearningRateScheduler as LearningRateScheduler
+from jaxdist.callbacks.schedules import TerminateOnNaN as TerminateOnNaN
 from jaxdist.callbacks.schedules import get_hyperparam as get_hyperparam
 
 __all__ = ["AnyOf", "BackupAndRestore", "BestMetric", "Callback", "EarlyStopping", "EveryNEpochs",
            "EveryNSteps", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar", "Resume",
-           "SaveCandidate", "SavePolicy", "TensorBoard", "TrainInfo", "TrainingPreempted",
+           "SaveCandidate", "SavePolicy", "TensorBoard", "TerminateOnNaN", "TrainInfo", "TrainingPreempted",
            "get_hyperparam"]

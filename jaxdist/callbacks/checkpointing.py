@@ -194,8 +194,9 @@ class BackupAndRestore(ModelCheckpoint):
     """Resumes an interrupted ``fit`` exactly where its last backup left it; saves on SIGTERM.
 
     At the start of training, if ``directory`` holds a backup, the state, the step counter and the
-    input position (epoch and batch) are restored, so the resumed run sees exactly the batches the
-    uninterrupted one would have, and ends with the same parameters. On a preemption notice
+    input position (epoch and batch) are restored from the newest backup that restores intact
+    (newer ones that are corrupt or incomplete are skipped with a warning), so the resumed run sees
+    exactly the batches the uninterrupted one would have, and ends with the same parameters. On a preemption notice
     (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
     and ``TrainingPreempted`` ends the process cleanly.
 
@@ -219,11 +220,12 @@ class BackupAndRestore(ModelCheckpoint):
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
         self._notice.install()
         self.saved = []
-        step = self.manager.latest_step()
-        if step is None:
+        # The newest backup that restores intact: a corrupt or half-written newer one is skipped
+        # with a warning naming it, so a restarted job resumes instead of failing every restart.
+        found = self.manager.restore_latest(target=info.state, strategy=info.strategy)
+        if found is None:
             return None
-        meta = self.manager.metadata(step)
-        state = self.manager.restore(step, target=info.state, strategy=info.strategy)
+        step, state, meta = found
         data = meta.get("data") or {}
         resume = Resume(state=state, step=meta["step"], epoch=data.get("epoch", info.epoch),
                         position=data.get("position", 0), source=step)

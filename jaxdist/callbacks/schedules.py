@@ -8,6 +8,7 @@ chains, nested states and any train-state pytree.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import jax
@@ -227,3 +228,32 @@ class LearningRateScheduler(Callback):
         info.logs[self.hyperparam] = float(jax.device_get(self._current(info.state)[0]))
 
 
+class TerminateOnNaN(Callback):
+    """Stops training as soon as the loss read back is NaN or infinite (Keras's ``TerminateOnNaN``).
+
+    As in Keras, it watches ``logs["loss"]`` after every batch and does nothing when the logs have
+    no such key. ``fit`` reads metrics a few steps late (bounded run-ahead), so training stops
+    within those few steps of the first NaN; the logs are running means over the epoch, so once
+    NaN they stay NaN.
+
+    Args:
+      monitor: the log to watch (``"loss"`` as Keras; change it if your step names it otherwise).
+
+    >>> cb = TerminateOnNaN()
+    >>> info = TrainInfo(step=5, logs={"loss": float("nan")})
+    >>> cb.on_train_batch_end(info)
+    >>> info.stop_training, cb.stopped_step
+    (True, 5)
+    """
+
+    def __init__(self, monitor: str = "loss"):
+        self.monitor = monitor
+        self.stopped_step: int | None = None
+
+    def on_train_batch_end(self, info: TrainInfo) -> None:
+        value = info.logs.get(self.monitor)
+        if value is not None and not math.isfinite(float(value)):
+            self.stopped_step = info.step
+            info.stop_training = True
+            logger.warning("step %d: invalid %s %s, terminating training", info.step,
+                           self.monitor, value)
