@@ -119,17 +119,35 @@ def dispatch_digests(tree: PyTree) -> dict[str, jax.Array]:
         group = [leaves[i] for i in members]
         results = _digest_group_jit(group, tuple(_spread(x) for x in group))
         for i, r in zip(members, results, strict=True):
-            out[jax.tree_util.keystr(flat[i][0])] = r
+            out[path_name(flat[i][0])] = r
     return out
 
 
+def path_name(path) -> str:
+    """A leaf's path as ``params/Dense_0/bias``, whatever the containers along it.
+
+    ``keystr`` would write a dataclass field as ``.params`` and a dict key as ``['params']``; a
+    state saved as a flax ``TrainState`` and restored without a template (as nested dicts) must
+    still find its digests.
+    """
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
 def materialize(pending: dict[str, jax.Array]) -> dict[str, list[int]]:
-    """Waits for ``dispatch_digests``'s results; ``{keystr(path): [lane0, lane1]}`` as ints."""
+    """Waits for ``dispatch_digests``'s results; ``{path_name(path): [lane0, lane1]}`` as ints."""
     return {k: [int(v) for v in np.asarray(r.addressable_data(0))] for k, r in pending.items()}
 
 
 def tree_digests(tree: PyTree) -> dict[str, list[int]]:
-    """``{keystr(path): [lane0, lane1]}`` for every array leaf of ``tree`` (collective).
+    """``{path_name(path): [lane0, lane1]}`` for every array leaf of ``tree`` (collective).
 
     Args:
       tree: a pytree of ``jax.Array`` (any sharding or memory kind, any number of processes),
