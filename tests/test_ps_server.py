@@ -1,6 +1,7 @@
 """Parameter-server semantics: versions, exactly-once step ids, staleness, sync rounds,
 checkpoints, and bad pushes over gRPC."""
 
+import dataclasses
 import time
 
 import jax
@@ -119,7 +120,7 @@ def test_bad_pushes_are_rejected_and_the_server_keeps_serving(grpc_server):
     version, pulled = client.pull()
     assert version == 1
     np.testing.assert_array_equal(pulled["w"], -1.0)
-    assert client.log() == [(1, 0, 0, 0)]
+    assert [tuple(r) for r in map(dataclasses.astuple, client.log())] == [(1, 0, 0, 0)]
 
 
 def test_lost_updates_count_acknowledged_versions_past_the_restored_checkpoint():
@@ -143,6 +144,9 @@ class _FlakyWorker:
     def __init__(self):
         self.runs = 0
 
+    def check(self, closure_id, fn, args, kwargs):
+        pass
+
     def run(self, closure_id, fn, args, kwargs):
         from jaxdist.ps.coordinator import WorkerLost
         self.runs += 1
@@ -155,6 +159,9 @@ class _FlakyWorker:
         return 7
 
     def abort(self):
+        pass
+
+    def shutdown(self):
         pass
 
     def close(self):

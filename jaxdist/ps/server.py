@@ -35,6 +35,9 @@ __all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "Parame
 logger = logging.getLogger(__name__)
 
 _CKPT_FORMAT = "jaxdist-ps-checkpoint/1"
+# Step ids, worker ids and versions are stored as int64 (checkpoints, logs).
+MAX_ID = (1 << 63) - 1
+NONFINITE_POLICIES = ("reject", "apply")
 
 
 class PushRejected(ValueError):
@@ -59,6 +62,12 @@ class ServerConfig:
       max_push_bytes: largest push accepted, in bytes of gradient data.
       checkpoint_dir: directory for this server's checkpoint file (None: no checkpoints).
       checkpoint_every: write a checkpoint every this many applied updates.
+      nonfinite: ``"reject"`` (default) refuses a push holding NaN or Inf and counts it in
+        ``status()["rejected_nonfinite"]``; ``"apply"`` applies it as it is.
+      max_wait_s: longest a ``pull(min_version=...)`` waits, whatever the caller asks.
+      max_waiters: most pulls waiting at once; one more is refused at once with
+        ``resource_exhausted`` (remote clients back off and retry), so waiting callers can
+        never take every handler thread of the server.
     """
 
     staleness: int | None = None
@@ -66,6 +75,9 @@ class ServerConfig:
     max_push_bytes: int = 512 << 20
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
+    nonfinite: str = "reject"
+    max_wait_s: float = 30.0
+    max_waiters: int = 16
 
     def __post_init__(self):
         if self.staleness is not None and self.staleness < 0:
@@ -78,6 +90,12 @@ class ServerConfig:
         if self.max_push_bytes < 1 or self.checkpoint_every < 1:
             raise ValueError(f"max_push_bytes ({self.max_push_bytes}) and checkpoint_every "
                              f"({self.checkpoint_every}) must be >= 1")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
+                             f"{NONFINITE_POLICIES}")
+        if not self.max_wait_s > 0 or self.max_waiters < 1:
+            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be > 0 and max_waiters "
+                             f"({self.max_waiters}) >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,6 +134,8 @@ class PushResult:
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise PushRejected(f"{name} must be an integer, got {type(value).__name__}")
+    if not 0 <= value <= MAX_ID:
+        raise PushRejected(f"{name} must be in [0, 2**63), got {value}")
     return int(value)
 
 
@@ -156,6 +176,8 @@ class ParameterServer:
         self._taken: set[int] = set()  # applied or pending step ids
         self._pending: dict[int, tuple[int, int, Mapping[str, np.ndarray]]] = {}
         self.log: list[UpdateRecord] = []
+        self.rejected_nonfinite = 0
+        self._waiters = 0
         self._cond = threading.Condition()
         if _state is not None:
             self._load_state(_state)
@@ -187,6 +209,15 @@ class ParameterServer:
                 raise PushRejected(
                     f"push to ps{self.index}: gradient {k!r} is {np.dtype(g.dtype).name}"
                     f"{list(np.shape(g))}, expected {dtype.name}{list(shape)}")
+        if self.config.nonfinite == "reject":
+            bad = [k for k, g in grads.items() if np.issubdtype(np.dtype(g.dtype), np.inexact)
+                   and not np.isfinite(g).all()]
+            if bad:
+                with self._cond:
+                    self.rejected_nonfinite += 1
+                raise PushRejected(f"push to ps{self.index}: gradient(s) {bad} hold NaN or Inf; "
+                                   "refused (ServerConfig.nonfinite='reject'). Check the loss "
+                                   "for overflow, or lower the learning rate")
 
     def push(self, *, worker: int, step_id: int, version: int,
              grads: Mapping[str, Any]) -> PushResult:
@@ -238,28 +269,54 @@ class ParameterServer:
         if self.config.checkpoint_dir and self.version % self.config.checkpoint_every == 0:
             self._save()
 
-    def pull(self, *, min_version: int | None = None,
-             timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """Returns ``(version, {key: read-only array})``, first waiting up to ``timeout`` seconds
-        for ``version >= min_version`` when given (a synchronous worker waiting for its round).
+    def pull(self, *, min_version: int | None = None, timeout: float | None = None,
+             cancelled: threading.Event | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """Returns ``(version, {key: read-only array})``, first waiting for ``version >=
+        min_version`` when given (a synchronous worker waiting for its round).
+
+        The wait lasts at most ``timeout`` seconds and never more than
+        ``ServerConfig.max_wait_s``; it ends early when ``cancelled`` is set (the remote caller
+        went away). At most ``ServerConfig.max_waiters`` pulls wait at once.
 
         Raises:
-          TimeoutError: ``min_version`` was not reached in time.
+          TimeoutError: ``min_version`` was not reached in time (or the wait was cancelled).
+          PushRejected: ``min_version`` is not an integer in [0, 2**63), or
+            ``max_waiters`` pulls are already waiting (code ``resource_exhausted``).
         """
+        if min_version is not None:
+            min_version = _check_int("min_version", min_version)
+        wait_s = self.config.max_wait_s if timeout is None else min(
+            max(float(timeout), 0.0), self.config.max_wait_s)
         with self._cond:
-            if min_version is not None and not self._cond.wait_for(
-                    lambda: self.version >= min_version, timeout):
-                raise TimeoutError(f"ps{self.index} stayed at version {self.version} < "
-                                   f"{min_version} for {timeout}s: too few workers pushing "
-                                   f"for sync_replicas={self.config.sync_replicas}?")
+            if min_version is not None and self.version < min_version:
+                if self._waiters >= self.config.max_waiters:
+                    raise PushRejected(f"ps{self.index} already has {self._waiters} pulls "
+                                       "waiting (ServerConfig.max_waiters); retry later",
+                                       "resource_exhausted")
+                self._waiters += 1
+                try:
+                    self._cond.wait_for(lambda: self.version >= min_version or (
+                        cancelled is not None and cancelled.is_set()), wait_s)
+                finally:
+                    self._waiters -= 1
+                if self.version < min_version:
+                    raise TimeoutError(f"ps{self.index} stayed at version {self.version} < "
+                                       f"{min_version} for {wait_s:g}s: too few workers pushing "
+                                       f"for sync_replicas={self.config.sync_replicas}?")
             version, params = self.version, self._params
         return version, {k: np.asarray(v) for k, v in params.items()}
+
+    def wake(self) -> None:
+        """Wakes waiting pulls so they re-check their ``cancelled`` event."""
+        with self._cond:
+            self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"index": self.index, "version": self.version,
                     "incarnation": self.incarnation, "restored_version": self.restored_version,
                     "pending": len(self._pending), "applied": len(self.log),
+                    "rejected_nonfinite": self.rejected_nonfinite, "waiters": self._waiters,
                     "keys": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
 
     # --- checkpoints ---------------------------------------------------------------------------

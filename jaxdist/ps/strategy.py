@@ -21,14 +21,16 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig
-from jaxdist.ps.transport import (GrpcClient, LocalClient, PS_SERVICE, PSService, Unavailable,
-                                  serve_until_stopped)
+from jaxdist._retry import retry
+from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERVICE, PSService,
+                                  TLSConfig, Unavailable, resolve_token, serve_until_stopped)
 from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
                                strategy_grad_fn)
 
@@ -116,7 +118,13 @@ class ParameterServerStrategy:
       staleness: bound on how many versions old a pushed gradient may be (None: unbounded).
       sync_replicas: average this many pushes per update (synchronous mode).
       max_shard_bytes, num_partitions: partition large leaves along their first axis.
-      token: shared secret checked on every RPC (default: ``JAXDIST_PS_TOKEN`` if set).
+      token: shared secret checked on every RPC (default: ``$JAXDIST_PS_TOKEN``, which
+        ``jaxdist launch`` sets); a multi-process job without one refuses to start.
+      authenticate: False serves without a token (a trusted network only).
+      tls: :class:`~jaxdist.ps.transport.TLSConfig` for every channel of the job (default:
+        ``TLSConfig.from_env()``, i.e. ``$JAXDIST_PS_TLS_CERT`` / ``_KEY`` / ``_CA``).
+      nonfinite: what servers do with a gradient holding NaN/Inf: ``"reject"`` (default,
+        counted in ``server_status()``) or ``"apply"``.
       checkpoint_dir, checkpoint_every: server checkpoints (every N applied updates).
       max_push_bytes: largest gradient push a server accepts.
       heartbeat_s, dead_after_s: worker liveness checks.
@@ -132,7 +140,9 @@ class ParameterServerStrategy:
     def __init__(self, cluster: Any = None, *, placement: str = "greedy",
                  staleness: int | None = None, sync_replicas: int | None = None,
                  max_shard_bytes: int | None = None, num_partitions: int | None = None,
-                 token: str | None = None, checkpoint_dir: str | None = None,
+                 token: str | None = None, authenticate: bool = True,
+                 tls: TLSConfig | None = None, nonfinite: str = "reject",
+                 checkpoint_dir: str | None = None,
                  checkpoint_every: int = 100, max_push_bytes: int = 512 << 20,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
                  retry_timeout_s: float = 60.0, worker_strategy: Any = None):
@@ -141,18 +151,20 @@ class ParameterServerStrategy:
         self.cluster = cluster
         self.placement_method = placement
         self.max_shard_bytes, self.num_partitions = max_shard_bytes, num_partitions
-        self.token = token if token is not None else os.environ.get("JAXDIST_PS_TOKEN")
         self.config = ServerConfig(staleness=staleness, sync_replicas=sync_replicas,
                                    max_push_bytes=max_push_bytes, checkpoint_dir=checkpoint_dir,
-                                   checkpoint_every=checkpoint_every)
+                                   checkpoint_every=checkpoint_every, nonfinite=nonfinite)
         self._liveness = dict(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
         self.retry_timeout_s = retry_timeout_s
         self.worker_strategy = worker_strategy
         self.placement: placement_lib.Placement | None = None
-        if isinstance(cluster, LocalCluster):
+        if isinstance(cluster, LocalCluster):  # threads of this process: no network, no token
             self.num_ps, self.num_workers = cluster.num_ps, cluster.num_workers
             self.role, self.task_index = "coordinator", 0
+            self.token, self.tls = None, None
         else:
+            self.token = resolve_token(token, authenticate=authenticate)
+            self.tls = tls if tls is not None else TLSConfig.from_env()
             self.num_ps, self.num_workers = len(cluster.ps), len(cluster.worker)
             self.role = getattr(cluster, "task_type", "coordinator")
             self.task_index = getattr(cluster, "task_index", 0)
@@ -227,14 +239,18 @@ class ParameterServerStrategy:
                             "jaxdist.ps.optimizer('adam', learning_rate=...) instead of an "
                             f"optax transformation (got {type(optimizer).__name__})")
         if self.role == "ps":
+            # the largest message is an Init or a Push of this shard: size the limit from it
+            shard = shards[self.task_index]
+            nbytes = sum(int(np.asarray(v).nbytes) for v in shard.values())
             self._serve(PSService(self.task_index, checkpoint_dir=self.config.checkpoint_dir),
-                        self.cluster.ps[self.task_index], PS_SERVICE)
-        clients = [GrpcClient(a, token=self.token) for a in self.cluster.ps]
+                        self.cluster.ps[self.task_index], PS_SERVICE,
+                        max_receive_bytes=min(nbytes, self.config.max_push_bytes) + HEADER_SLACK)
+        clients = [GrpcClient(a, token=self.token, tls=self.tls) for a in self.cluster.ps]
         if self.role == "worker":
             runtime = WorkerRuntime(self.task_index, clients, placement, treedef, grad_fn,
                                     retry_timeout_s=self.retry_timeout_s)
             self._serve(WorkerService(runtime), self.cluster.worker[self.task_index],
-                        WORKER_SERVICE)
+                        WORKER_SERVICE, max_receive_bytes=HEADER_SLACK)
         return self._start_coordinator(clients, shards, optimizer, placement, treedef)
 
     def _start_local(self, shards, optimizer, placement, treedef, grad_fn):
@@ -247,32 +263,25 @@ class ParameterServerStrategy:
         return ClusterCoordinator(workers, servers=clients, placement=placement,
                                   treedef=treedef, **self._liveness)
 
-    def _serve(self, service, address: str, name: str):
+    def _serve(self, service, address: str, name: str, *, max_receive_bytes: int):
         logger.info("%s %d serving on %s", self.role, self.task_index, address)
-        serve_until_stopped(service, address, name, token=self.token)
+        serve_until_stopped(service, address, name, token=self.token, tls=self.tls,
+                            max_receive_bytes=max_receive_bytes)
         sys.exit(0)
 
     def _start_coordinator(self, clients, shards, optimizer, placement, treedef):
         deadline = time.monotonic() + self.retry_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
         for i, (client, shard) in enumerate(zip(clients, shards)):
-            while True:
-                try:
-                    client.init(i, shard, optimizer, self.config)
-                    break
-                except Unavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
-        workers = [GrpcWorker(i, a, token=self.token) for i, a in enumerate(self.cluster.worker)]
+            retry(lambda _, c=client, i=i, sh=shard: c.init(i, sh, optimizer, self.config),
+                  timeout_s=left(), retry_on=Unavailable)
+        workers = [GrpcWorker(i, a, token=self.token, tls=self.tls)
+                   for i, a in enumerate(self.cluster.worker)]
         for w in workers:
-            while True:
-                try:
-                    w.ping(timeout=2.0)
-                    break
-                except ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            retry(lambda _, w=w: w.ping(timeout=2.0), timeout_s=left(),
+                  retry_on=ConnectionError)
 
         def stop_servers():
             for c in clients:

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._retry import retry
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
 from jaxdist.ps.server import PushRejected
@@ -155,16 +156,8 @@ class WorkerRuntime:
     def _each(self, fn: Callable[[int], Any], shards: Sequence[int]) -> dict[int, Any]:
         """Runs ``fn(shard)`` for each shard, in parallel, retrying while a server is down."""
         def retrying(shard):
-            deadline = time.monotonic() + self.retry_timeout_s
-            delay = 0.05
-            while True:
-                try:
-                    return fn(shard)
-                except Unavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+            return retry(lambda _left: fn(shard), timeout_s=self.retry_timeout_s,
+                         retry_on=Unavailable)
         if len(shards) == 1:
             return {shards[0]: retrying(shards[0])}
         return dict(zip(shards, self._pool.map(retrying, shards)))
@@ -266,7 +259,7 @@ class WorkerService:
             out.append(a)
         return out
 
-    def run(self, request: bytes) -> bytes:
+    def run(self, request: bytes, call: Any = None) -> bytes:
         h, _ = wire.decode(request)
         fn = resolve(h["name"])
         with self._lock:
@@ -280,7 +273,7 @@ class WorkerService:
         result["acks"] = self.runtime.ack_rows()
         return wire.encode(result)
 
-    def create_dataset(self, request: bytes) -> bytes:
+    def create_dataset(self, request: bytes, call: Any = None) -> bytes:
         h, _ = wire.decode(request)
         fn = resolve(h["name"])
         self.runtime.num_workers = int(h["num_workers"])
@@ -288,9 +281,9 @@ class WorkerService:
                                                           int(h["num_workers"])))
         return b""
 
-    def heartbeat(self, request: bytes) -> bytes:
+    def heartbeat(self, request: bytes, call: Any = None) -> bytes:
         return wire.encode({"incarnation": self.incarnation, "index": self.runtime.index})
 
-    def shutdown(self, request: bytes) -> bytes:
+    def shutdown(self, request: bytes, call: Any = None) -> bytes:
         self.stopped.set()
         return b""
