@@ -8,11 +8,14 @@ no arguments. Output lines are prefixed with the rank. When one process fails, t
 killed; with `--max-restarts R` it is started again (on a fresh port) up to R times. SIGINT and
 SIGTERM are forwarded to every process; after a grace period the stragglers are killed.
 POSIX only: each process runs in its own session so that killing it kills its children too.
+On Linux each process also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``),
+so a launcher killed with SIGKILL (which it cannot catch) takes its processes with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import re
@@ -101,6 +104,30 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGKILL when this process dies (Linux).
+
+    Everything is looked up before the fork: between fork and exec only the prctl call and
+    ``getppid`` run. Returns None where prctl does not exist.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -170,7 +197,8 @@ class _Launcher:
                 proc = subprocess.Popen(self._command, env=self._child_env(rank, attempt, port),
                                         cwd=self._cwd, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=_die_with_parent())
                 procs.append(proc)
                 for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
                     reader = threading.Thread(target=self._pump, args=(rank, stream, pipe),
