@@ -4,7 +4,10 @@ A job is described by one `ClusterSpec` per process. It comes from an explicit v
 `TF_CONFIG` (so tf.distribute launch scripts keep working), from the `JAXDIST_*` variables that
 `jaxdist launch` sets, or, when none of those is set, from JAX's own detection of SLURM /
 Open MPI / Kubernetes / Cloud TPU at `initialize` time. Nothing here touches JAX or the network;
-joining the job and synchronising its processes live in `jaxdist.runtime`.
+joining the job and synchronising its processes live in `jaxdist.runtime` (`jaxdist.initialize`,
+`jaxdist.barrier`), which builds on this module and never the other way round. The errors those
+raise are defined here, so `jaxdist.cluster.CoordinatorTimeoutError` and
+`jaxdist.cluster.BarrierTimeoutError` name them without importing the runtime.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}, '
     '"task": {"type": "worker", "index": 0}}'
 )
+
+
+class CoordinatorTimeoutError(TimeoutError):
+    """The coordinator did not answer within the timeout (raised by `jaxdist.initialize`)."""
+
+
+class BarrierTimeoutError(TimeoutError):
+    """Not every process reached a `jaxdist.barrier` in time.
+
+    Attributes:
+      name: the barrier's name.
+      missing: ids of the processes that did not arrive.
+      timeout_s: the timeout that expired.
+    """
+
+    def __init__(self, message: str, *, name: str, missing: tuple[int, ...], timeout_s: float):
+        super().__init__(message)
+        self.name, self.missing, self.timeout_s = name, missing, timeout_s
 
 
 def split_address(address: Any) -> tuple[str, int]:
@@ -356,21 +377,3 @@ def cluster_from_environment(environ: Mapping[str, str] | None = None) -> Cluste
     if any(environ.get(n) for n in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)):
         return ClusterSpec.from_env(environ)
     return None
-
-
-# The runtime half of this module moved to jaxdist.runtime, which imports this module; these
-# names stay reachable as jaxdist.cluster.<name> (README, user code) through a lazy lookup
-# rather than an import here, which would be a cycle.
-_RUNTIME_NAMES = ("BarrierTimeoutError", "CoordinatorTimeoutError", "barrier",
-                  "current_cluster", "initialize")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RUNTIME_NAMES:
-        from jaxdist import runtime
-        return getattr(runtime, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_RUNTIME_NAMES})
