@@ -26,6 +26,8 @@ ENV_COORDINATOR = "JAXDIST_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
+# The shared secret of a parameter-server job (`jaxdist launch --ps` makes one).
+ENV_PS_TOKEN = "JAXDIST_PS_TOKEN"
 
 _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}, '
@@ -116,8 +118,10 @@ class ClusterSpec:
       process_id: this process's id in `[0, num_processes)`, or None for a ps / evaluator task.
       task_type: "chief" | "worker" | "ps" | "evaluator".
       task_index: index of this task within its task type (defaults to `process_id`).
-      ps: parameter-server addresses, kept for the parameter-server mode.
+      ps: parameter-server addresses (TF_CONFIG's `ps` job), for `ParameterServerStrategy`.
       workers: addresses of the job's processes ordered by process id (chief first), when known.
+      chief: the chief's address as a 1-tuple when the job has a `chief` task (it is then
+        `workers[0]`), else `()`; `worker_tasks` are the addresses of the `worker` job.
       evaluator: evaluator addresses, when known.
       local_device_ids: restricts the devices this process uses (passed to JAX).
 
@@ -135,9 +139,10 @@ class ClusterSpec:
     workers: tuple[str, ...] = ()
     evaluator: tuple[str, ...] = ()
     local_device_ids: tuple[int, ...] | None = None
+    chief: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for name in ("ps", "workers", "evaluator"):
+        for name in ("ps", "workers", "evaluator", "chief"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Sequence):
                 raise _fail(name, value, "expected a sequence of 'host:port' addresses",
@@ -190,6 +195,19 @@ class ClusterSpec:
                 raise _fail("coordinator_address", self.coordinator_address,
                             f"process 0's address is {self.workers[0]!r}",
                             "use process 0's address as the coordinator")
+        if self.chief and (len(self.chief) != 1 or self.workers[:1] != self.chief):
+            raise _fail("chief", self.chief, "expected one address, equal to workers[0]",
+                        "list the chief first in workers and pass chief=(workers[0],)")
+
+    @property
+    def worker_tasks(self) -> tuple[str, ...]:
+        """Addresses of the `worker` job (the processes after the chief, if there is one).
+
+        >>> ClusterSpec("h0:1", 3, 0, "chief", workers=("h0:1", "h1:1", "h2:1"),
+        ...             chief=("h0:1",)).worker_tasks
+        ('h1:1', 'h2:1')
+        """
+        return self.workers[len(self.chief):]
 
     @property
     def is_jax_process(self) -> bool:
@@ -352,7 +370,7 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
     return ClusterSpec(coordinator_address=processes[0], num_processes=len(processes),
                        process_id=process_id, task_type=task_type, task_index=index,
                        ps=jobs.get("ps", ()), workers=processes,
-                       evaluator=jobs.get("evaluator", ()))
+                       evaluator=jobs.get("evaluator", ()), chief=jobs.get("chief", ()))
 
 
 def cluster_from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | None:

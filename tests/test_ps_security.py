@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 import json
 import os
+import re
 
 import msgpack
 import numpy as np
@@ -129,9 +130,11 @@ def test_a_remote_init_cannot_choose_a_filesystem_path(tmp_path):
 
 
 def test_a_multiprocess_strategy_refuses_to_start_without_a_token(monkeypatch):
-    from jaxdist.ps.strategy import ParameterServerStrategy, RemoteCluster
+    from jaxdist.cluster import ClusterSpec
+    from jaxdist.ps.strategy import ParameterServerStrategy
     monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
-    cluster = RemoteCluster(("127.0.0.1:1",), ("127.0.0.1:2",))
+    cluster = ClusterSpec.from_tf_config({"cluster": {"chief": ["127.0.0.1:1"], "worker": [
+        "127.0.0.1:2"], "ps": ["127.0.0.1:3"]}, "task": {"type": "chief", "index": 0}})
     with pytest.raises(ValueError, match="no token for the parameter-server job"):
         ParameterServerStrategy(cluster)
     assert ParameterServerStrategy(cluster, authenticate=False).token is None
@@ -212,3 +215,44 @@ def test_decoder_refuses_duplicate_keys_and_trailing_bytes():
         wire.decode(good + b"abc")
     with pytest.raises(wire.WireError, match="not valid msgpack"):
         wire.decode((2).to_bytes(4, "little") + b"\x80\x80")  # two maps: trailing in header
+
+
+_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+
+
+@pytest.mark.parametrize("args,tf_config,match", [
+    (["--role", "ps", "--index", "0", "--cluster", json.dumps(dict(_CLUSTER, ps=[
+        "127.0.0.1:70000"]))], None, r"port '70000' is not an integer in 1..65535"),
+    ([], "{not json", "TF_CONFIG is not valid JSON"),
+    (["--role", "ps", "--index", "3", "--cluster", json.dumps(_CLUSTER)], None,
+     r"out of range: cluster\['ps'\] has 1 address"),
+    (["--role", "ps", "--cluster", "{oops"], None, "--cluster is not valid JSON"),
+    (["--role", "ps", "--index", "0", "--cluster", json.dumps(_CLUSTER)], None,
+     "no token for the parameter-server job"),
+])
+def test_ps_cli_gives_clear_errors_not_tracebacks(args, tf_config, match):
+    # before: port 70000 was "served" on 4464; bad TF_CONFIG and a bad index gave tracebacks
+    env = {"JAXDIST_PS_TOKEN": ""}
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config
+    proc = run_python(["-m", "jaxdist.ps.cli", *args], timeout=120, env=env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and re.search(match, proc.stderr), proc.stderr
+
+
+def test_the_launcher_makes_one_token_per_parameter_server_job(tmp_path):
+    from jaxdist import launch
+    script = tmp_path / "task.py"
+    script.write_text("import hashlib, json, os\n"
+                      "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+                      "token = os.environ.get('JAXDIST_PS_TOKEN', '')\n"
+                      "print(task['type'], len(token), hashlib.sha256(token.encode()).hexdigest())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXDIST_PS_TOKEN", "TF_CONFIG")}
+    env["PYTHONPATH"] = REPO
+    result = launch.run([str(script)], num_ps=2, num_workers=2, timeout_s=120, env=env,
+                        grace_period_s=60)
+    assert result.returncode == 0, result.output
+    rows = re.findall(r"^\[(\w+) (\d)\] (\w+) (\d+) (\w+)$", result.output, re.M)
+    assert sorted((r[0], r[1]) for r in rows) == [("chief", "0"), ("ps", "0"), ("ps", "1"),
+                                                  ("worker", "0"), ("worker", "1")], result.output
+    assert {int(r[3]) for r in rows} == {43} and len({r[4] for r in rows}) == 1

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 from jaxdist.ps import wire
 from jaxdist.ps.optim import OptimizerSpec
@@ -34,7 +35,7 @@ __all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "Parame
 
 logger = logging.getLogger(__name__)
 
-_CKPT_FORMAT = "jaxdist-ps-checkpoint/1"
+_CKPT_FORMAT = "jaxdist-ps-checkpoint/2"  # /2: Orbax steps (/1 was one wire-format file)
 # Step ids, worker ids and versions are stored as int64 (checkpoints, logs).
 MAX_ID = (1 << 63) - 1
 NONFINITE_POLICIES = ("reject", "apply")
@@ -60,7 +61,7 @@ class ServerConfig:
       staleness: refuse pushes computed more than this many versions ago (None: no bound).
       sync_replicas: average this many pushes per applied update (None: asynchronous).
       max_push_bytes: largest push accepted, in bytes of gradient data.
-      checkpoint_dir: directory for this server's checkpoint file (None: no checkpoints).
+      checkpoint_dir: directory of this server's Orbax checkpoints (None: no checkpoints).
       checkpoint_every: write a checkpoint every this many applied updates.
       nonfinite: ``"reject"`` (default) refuses a push holding NaN or Inf and counts it in
         ``status()["rejected_nonfinite"]``; ``"apply"`` applies it as it is.
@@ -161,7 +162,7 @@ class ParameterServer:
 
     def __init__(self, index: int, params: Mapping[str, Any],
                  optimizer: OptimizerSpec | optax.GradientTransformation,
-                 config: ServerConfig = ServerConfig(), *, _state: dict | None = None):
+                 config: ServerConfig = ServerConfig(), *, _state: tuple | None = None):
         self.index = index
         self.config = config
         self._spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
@@ -179,8 +180,9 @@ class ParameterServer:
         self.rejected_nonfinite = 0
         self._waiters = 0
         self._cond = threading.Condition()
+        self._ckpt: ocp.CheckpointManager | None = None
         if _state is not None:
-            self._load_state(_state)
+            self._load_state(*_state)
         elif config.checkpoint_dir:
             self._save()
 
@@ -323,75 +325,106 @@ class ParameterServer:
 
     @staticmethod
     def checkpoint_path(directory: str, index: int) -> str:
-        return os.path.join(directory, f"ps{index}.ckpt")
+        """Where server ``index`` keeps its Orbax checkpoints: ``<directory>/ps<index>/<version>``."""
+        return os.path.join(os.path.abspath(directory), f"ps{index}")
+
+    @classmethod
+    def _manager(cls, directory: str, index: int) -> ocp.CheckpointManager:
+        # Synchronous: a push that crosses checkpoint_every returns once its checkpoint is on
+        # disk, so a killed server loses at most checkpoint_every acknowledged updates.
+        return ocp.CheckpointManager(
+            cls.checkpoint_path(directory, index), item_names=("state", "meta"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                                 enable_async_checkpointing=False))
+
+    def _arrays(self, n_taken: int, n_log: int, like=None) -> dict[str, Any]:
+        """The saved pytree (or, with ``like=np.zeros``, a numpy target of its shapes).
+
+        Orbax refuses zero-size arrays, so ``taken`` and ``log`` carry one leading -1 row.
+        """
+        if like is None:
+            taken = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
+            log = np.array([dataclasses.astuple(r) for r in self.log], np.int64).reshape(-1, 4)
+            return {"params": {k: np.asarray(v) for k, v in self._params.items()},
+                    "opt_state": [np.asarray(v) for v in
+                                  jax.tree_util.tree_leaves(self._opt_state)],
+                    "taken": np.concatenate([[-1], taken]).astype(np.int64),
+                    "log": np.concatenate([np.full((1, 4), -1, np.int64), log])}
+        return {"params": {k: like(s, d) for k, (s, d) in self._shapes.items()},
+                "opt_state": [like(np.shape(v), np.asarray(v).dtype)
+                              for v in jax.tree_util.tree_leaves(self._opt_state)],
+                "taken": like((n_taken + 1,), np.int64), "log": like((n_log + 1, 4), np.int64)}
 
     def _save(self) -> None:
-        """Writes params, optimizer state, version, taken step ids and log atomically."""
-        leaves = jax.tree_util.tree_leaves(self._opt_state)
-        arrays = {f"p/{k}": v for k, v in self._params.items()}
-        arrays.update({f"s/{i}": v for i, v in enumerate(leaves)})
-        arrays["taken"] = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
-        arrays["log"] = np.array([dataclasses.astuple(r) for r in self.log],
-                                 np.int64).reshape(-1, 4)
-        header = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
-                  "optimizer": self._spec.to_dict() if self._spec else None,
-                  "config": self.config.to_dict(), "opt_leaves": len(leaves)}
-        path = self.checkpoint_path(self.config.checkpoint_dir, self.index)
-        os.makedirs(self.config.checkpoint_dir, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(wire.encode(header, arrays))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        logger.debug("ps%d: checkpoint at version %d -> %s", self.index, self.version, path)
+        """Writes params, optimizer state, version, taken step ids and the log as Orbax step
+        ``version`` (Orbax writes to a temporary directory and renames it when complete)."""
+        if self._ckpt is None:
+            self._ckpt = self._manager(self.config.checkpoint_dir, self.index)
+        meta = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
+                "optimizer": self._spec.to_dict() if self._spec else None,
+                "config": self.config.to_dict(), "n_taken": len(self._taken),
+                "n_log": len(self.log),
+                "params": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
+        self._ckpt.save(self.version, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(self._arrays(0, 0)), meta=ocp.args.JsonSave(meta)),
+            force=True)
+        logger.debug("ps%d: checkpoint at version %d -> %s", self.index, self.version,
+                     self.checkpoint_path(self.config.checkpoint_dir, self.index))
 
-    def _load_state(self, state: dict) -> None:
-        header, arrays = state["header"], state["arrays"]
-        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
-        if {k: (tuple(v.shape), v.dtype) for k, v in params.items()} != self._shapes:
-            raise ValueError(f"checkpoint of ps{self.index} holds "
-                             f"{ {k: v.shape for k, v in params.items()} }, expected "
-                             f"{ {k: s for k, (s, _) in self._shapes.items()} }: it belongs to "
-                             "another model or placement; clear the checkpoint directory")
+    def _load_state(self, mgr: ocp.CheckpointManager, step: int, meta: dict) -> None:
+        want = {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}
+        if meta["params"] != want:
+            raise ValueError(f"checkpoint of ps{self.index} holds {meta['params']}, expected "
+                             f"{want}: it belongs to another model or placement; clear the "
+                             "checkpoint directory")
+        target = self._arrays(meta["n_taken"], meta["n_log"], like=np.zeros)
+        state = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"]
         treedef = jax.tree_util.tree_structure(self._opt_state)
-        leaves = [jax.numpy.asarray(arrays[f"s/{i}"]) for i in range(header["opt_leaves"])]
-        self._opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
-        self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
-        self.version = self.restored_version = int(header["version"])
-        self._taken = set(arrays["taken"].tolist())
-        self.log = [UpdateRecord(*map(int, r)) for r in arrays["log"]]
+        self._opt_state = jax.tree_util.tree_unflatten(
+            treedef, [jax.numpy.asarray(v) for v in state["opt_state"]])
+        self._params = {k: jax.numpy.asarray(v) for k, v in state["params"].items()}
+        self.version = self.restored_version = int(meta["version"])
+        self._taken = set(state["taken"][1:].tolist())
+        self.log = [UpdateRecord(*map(int, r)) for r in state["log"][1:]]
+        self._ckpt = mgr
 
     @classmethod
     def restore(cls, directory: str, index: int, *,
                 optimizer: optax.GradientTransformation | None = None,
                 config: ServerConfig | None = None) -> ParameterServer | None:
-        """Rebuilds server ``index`` from its checkpoint in ``directory`` (None if there is none).
+        """Rebuilds server ``index`` from its newest checkpoint in ``directory`` (None if there
+        is none).
 
         The optimizer comes from the checkpoint when it was an :class:`OptimizerSpec`, else from
         ``optimizer``; the config from the checkpoint unless ``config`` is given.
 
         Raises:
-          ValueError: the file is not a jaxdist parameter-server checkpoint of shard ``index``,
-            or it needs an ``optimizer`` argument.
+          ValueError: the checkpoint is not a jaxdist parameter-server checkpoint of shard
+            ``index``, or it needs an ``optimizer`` argument.
         """
         path = cls.checkpoint_path(directory, index)
-        if not os.path.exists(path):
+        if not os.path.isdir(path):
             return None
-        with open(path, "rb") as f:
-            header, arrays = wire.decode(f.read())
-        if header.get("format") != _CKPT_FORMAT or header.get("index") != index:
-            raise ValueError(f"{path} is not a checkpoint of ps{index} "
-                             f"(format {header.get('format')!r}, index {header.get('index')!r})")
-        if header["optimizer"] is not None:
-            opt: Any = OptimizerSpec.from_dict(header["optimizer"])
+        mgr = cls._manager(directory, index)
+        step = mgr.latest_step()
+        if step is None:
+            mgr.close()
+            return None
+        meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        if meta.get("format") != _CKPT_FORMAT or meta.get("index") != index:
+            raise ValueError(f"{path}/{step} is not a checkpoint of ps{index} "
+                             f"(format {meta.get('format')!r}, index {meta.get('index')!r})")
+        if meta["optimizer"] is not None:
+            opt: Any = OptimizerSpec.from_dict(meta["optimizer"])
         elif optimizer is not None:
             opt = optimizer
         else:
             raise ValueError(f"{path} was written with a plain optax transformation; pass "
                              "optimizer= to restore it, or use jaxdist.ps.optimizer(...)")
-        config = config or ServerConfig(**header["config"])
-        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
-        server = cls(index, params, opt, config, _state={"header": header, "arrays": arrays})
+        config = config or ServerConfig(**meta["config"])
+        params = {k: np.zeros(shape, np.dtype(wire.ALLOWED_DTYPES[d]))
+                  for k, (d, shape) in meta["params"].items()}
+        server = cls(index, params, opt, config, _state=(mgr, step, meta))
         logger.warning("ps%d restored from %s at version %d", index, path, server.version)
         return server

@@ -32,6 +32,7 @@ import grpc
 import numpy as np
 
 from jaxdist._retry import retry
+from jaxdist.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
 from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerConfig, UpdateRecord
 from jaxdist.ps.optim import OptimizerSpec
@@ -43,7 +44,7 @@ __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "Permissi
 logger = logging.getLogger(__name__)
 
 PS_SERVICE = "jaxdist.ps.ParameterServer"
-ENV_TOKEN = "JAXDIST_PS_TOKEN"
+ENV_TOKEN = ENV_PS_TOKEN
 _TOKEN_KEY = "x-jaxdist-token"
 HEADER_SLACK = 1 << 20
 # Megabyte messages on a fast link: large HTTP/2 frames and a 16 MiB window from the start
