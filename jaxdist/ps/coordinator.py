@@ -57,6 +57,11 @@ class RemoteValue:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def __float__(self) -> float:
+        """The result as a float, waiting for it (how ``jaxdist.fit`` reads scheduled losses,
+        as Keras resolves ``RemoteValue`` logs when a callback reads them)."""
+        return float(self.fetch())
+
     def fetch(self, timeout: float | None = None) -> Any:
         """Blocks until the closure finished; returns its result.
 

@@ -154,6 +154,55 @@ class ParameterServerStrategy:
     def num_replicas_in_sync(self) -> int:
         return self.num_workers
 
+    def step(self, fn: Any, /, *, optimizer: OptimizerSpec | optax.GradientTransformation
+             | None = None, donate: bool = False) -> Any:
+        """A step for :func:`jaxdist.fit`: ``fn`` is the loss, ``fn(params, batch) -> scalar``.
+
+        Workers compute its gradient; servers apply ``optimizer`` (see :mod:`jaxdist.ps.fit`).
+        Passing a step this returned gives it back (``fit`` calls ``strategy.step`` on it).
+
+        Args:
+          fn: the loss function, or a step from this method.
+          optimizer: what servers apply (:func:`jaxdist.ps.optimizer` across processes).
+          donate: ignored (the servers own the parameters).
+
+        Returns:
+          A :class:`jaxdist.ps.fit.PSStep`.
+
+        Raises:
+          ValueError: no ``optimizer`` (also what ``fit(eval_step=...)`` meets: validation
+            inside ``fit`` is not supported with parameter servers).
+
+        >>> import numpy as np, optax, jaxdist
+        >>> s = ParameterServerStrategy(LocalCluster(num_ps=1, num_workers=2))
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32)
+        >>> step = s.step(lambda p, b: ((p["w"] * b[0] - b[1]) ** 2).mean(),
+        ...               optimizer=optax.sgd(0.5))
+        >>> h = jaxdist.fit(step, {"w": np.zeros((), np.float32)}, (x, 3 * x), batch_size=16,
+        ...                 epochs=5, verbose=0)
+        >>> round(float(h.state["w"]), 2), len(h.history["loss"])
+        (3.0, 5)
+        """
+        from jaxdist.ps.fit import PSStep
+        if isinstance(fn, PSStep):
+            return fn
+        if optimizer is None:
+            raise ValueError("ParameterServerStrategy.step(loss_fn, optimizer=...) needs the "
+                             "optimizer the servers apply; an eval_step inside jaxdist.fit is "
+                             "not supported with parameter servers: evaluate history.state "
+                             "afterwards")
+        return PSStep(self, fn, optimizer)
+
+    def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = True,
+                   seed: int = 0) -> Any:
+        """Batches of ``data`` for :func:`jaxdist.fit`: each is one worker step's batch.
+
+        Returns:
+          A :class:`jaxdist.ps.fit.PSDataset`.
+        """
+        from jaxdist.ps.fit import PSDataset
+        return PSDataset(data, global_batch_size, shuffle=shuffle, seed=seed)
+
     def placement_report(self) -> str:
         """Which leaf lives on which server, and each server's load (after :meth:`start`)."""
         if self.placement is None:
