@@ -25,7 +25,7 @@ from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
 from jaxdist.ps.server import UpdateRecord
 from jaxdist.ps.transport import Channel, ServerClient, TLSConfig, Unavailable
-from jaxdist.ps.worker import WORKER_SERVICE, WorkerRuntime, name_of, to_plain
+from jaxdist.ps.worker import WORKER_SERVICE, AckBook, WorkerRuntime, name_of, to_plain
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerDataset", "WorkerLost",
            "ClosureError", "LocalWorker", "GrpcWorker"]
@@ -272,7 +272,7 @@ class ClusterCoordinator:
         self._alive = {w.index: True for w in self.workers}
         self._incarnation: dict[int, int] = {}
         self._last_ok = {w.index: time.monotonic() for w in self.workers}
-        self._acks: dict[int, dict[int, list[int]]] = {}
+        self._acks = AckBook()
         self.rescheduled = 0
         self._heartbeat_s, self._dead_after_s = heartbeat_s, dead_after_s
         self._max_attempts = max_attempts
@@ -439,23 +439,15 @@ class ClusterCoordinator:
 
     def _record_acks(self, rows: list) -> None:
         with self._cond:
-            for shard, incarnation, restored, version in rows:
-                seen = self._acks.setdefault(shard, {}).setdefault(incarnation,
-                                                                   [restored, version])
-                seen[1] = max(seen[1], version)
+            for row in rows:
+                self._acks.add(*row)
 
     def lost_updates(self) -> dict[int, int]:
         """Updates each server lost to restarts: for every restart, the highest version workers
         saw acknowledged before it minus the version the server was restored from (at most the
         checkpoint interval)."""
-        out = {}
         with self._cond:
-            for shard, by_inc in self._acks.items():
-                # one [restored version, highest ack] per incarnation; restores only move
-                # forward in time, and the fresh start (-1) comes first
-                runs = sorted(by_inc.values())
-                out[shard] = sum(max(0, prev[1] - cur[0]) for prev, cur in zip(runs, runs[1:]))
-        return out
+            return self._acks.lost_updates()
 
     def fetch_params(self) -> Any:
         """Pulls every shard and returns the whole parameter tree (numpy leaves)."""

@@ -25,7 +25,7 @@ from jaxdist.ps import wire
 from jaxdist.ps.server import PushRejected
 from jaxdist.ps.transport import ServerClient, Unavailable
 
-__all__ = ["WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
+__all__ = ["AckBook", "WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
            "WORKER_SERVICE", "to_plain"]
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,41 @@ def to_plain(x: Any) -> Any:
     return x
 
 
+class AckBook:
+    """Which versions each server acknowledged, per server incarnation: the bookkeeping workers
+    keep and the coordinator merges to count updates lost to a server restart.
+
+    >>> book = AckBook()
+    >>> book.add(0, 111, -1, 57); book.add(0, 222, 40, 90)
+    >>> book.lost_updates()
+    {0: 17}
+    """
+
+    def __init__(self):
+        # shard -> {server incarnation: [restored version, highest acknowledged version]}
+        self._seen: dict[int, dict[int, list[int]]] = {}
+
+    def add(self, shard: int, incarnation: int, restored: int, version: int) -> None:
+        seen = self._seen.setdefault(shard, {}).setdefault(incarnation, [restored, version])
+        seen[1] = max(seen[1], version)
+
+    def rows(self) -> list[list[int]]:
+        """``[shard, incarnation, restored version, highest acknowledged version]`` rows."""
+        return [[s, inc, r, v] for s, by_inc in self._seen.items()
+                for inc, (r, v) in by_inc.items()]
+
+    def lost_updates(self) -> dict[int, int]:
+        """Per shard: for every restart, the highest version acknowledged before it minus the
+        version the server was restored from."""
+        out = {}
+        for shard, by_inc in self._seen.items():
+            # one [restored version, highest ack] per incarnation; restores only move forward
+            # in time, and the fresh start (-1) comes first
+            runs = sorted(by_inc.values())
+            out[shard] = sum(max(0, prev[1] - cur[0]) for prev, cur in zip(runs, runs[1:]))
+        return out
+
+
 class WorkerRuntime:
     """One worker: its server clients, the placement, the gradient function and its datasets.
 
@@ -141,8 +176,7 @@ class WorkerRuntime:
         self.max_stale_retries = max_stale_retries
         self.sync_timeout_s = sync_timeout_s
         self.datasets: dict[int, Any] = {}
-        # shard -> {server incarnation: [restored version, highest acknowledged version]}
-        self.acks: dict[int, dict[int, list[int]]] = {}
+        self.acks = AckBook()
         self.stale_retries = 0
         self._closure_id = 0
         self._k = 0
@@ -174,14 +208,11 @@ class WorkerRuntime:
         return versions, placement_lib.unflatten(self.treedef, flat)
 
     def _ack(self, shard: int, result) -> None:
-        seen = self.acks.setdefault(shard, {}).setdefault(
-            result.incarnation, [result.restored_version, result.version])
-        seen[1] = max(seen[1], result.version)
+        self.acks.add(shard, result.incarnation, result.restored_version, result.version)
 
     def ack_rows(self) -> list[list[int]]:
         """``[shard, incarnation, restored version, highest acknowledged version]`` rows."""
-        return [[s, inc, r, v] for s, by_inc in self.acks.items()
-                for inc, (r, v) in by_inc.items()]
+        return self.acks.rows()
 
     def step(self, batch: Any) -> float:
         """One training step: pull, compute gradients, push them to every shard.
