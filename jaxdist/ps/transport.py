@@ -169,8 +169,8 @@ class Call:
         self._context = context
         self._hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        if context is not None:
-            context.add_callback(self._terminated)
+        if context is not None and not context.add_callback(self._terminated):
+            self.cancelled.set()  # the call had already ended
 
     def _terminated(self) -> None:
         with self._lock:
@@ -200,14 +200,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: str):
         self._token = token.encode()
-        self.refused = 0
 
     def intercept_service(self, continuation, handler_call_details):
         got = dict(handler_call_details.invocation_metadata or ()).get(_TOKEN_KEY, "")
         if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got),
                                self._token):
             return continuation(handler_call_details)
-        self.refused += 1
 
         def deny(_requests, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
