@@ -6,7 +6,6 @@ push and wait for their round: every one must get it. Prints one JSON line.
 """
 
 import json
-import resource
 import sys
 import threading
 import time
@@ -76,7 +75,9 @@ for th in threads:
 for th in threads:
     th.join(120)
 out["sync_round_versions"] = results
-out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM is this process's peak (ru_maxrss would include the parent's, carried across exec)
+out["maxrss_mb"] = next(int(line.split()[1]) for line in open("/proc/self/status")
+                        if line.startswith("VmHWM")) / 1024
 server.stop(0)
 print(json.dumps(out))
 sys.stdout.flush()

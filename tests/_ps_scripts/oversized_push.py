@@ -15,7 +15,7 @@ from jaxdist.ps import wire
 from jaxdist.ps.transport import PS_SERVICE, Channel
 
 SERVER = r"""
-import resource, sys
+import sys
 import numpy as np
 from jaxdist.ps import optimizer
 from jaxdist.ps.server import ServerConfig
@@ -28,7 +28,8 @@ def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 print(port, rss(), flush=True)
 sys.stdin.read()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, flush=True)
+print(next(int(line.split()[1]) for line in open("/proc/self/status")
+           if line.startswith("VmHWM")) / 1024, flush=True)
 """
 
 mb = float(sys.argv[1])
