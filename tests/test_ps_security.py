@@ -127,6 +127,12 @@ def test_a_remote_init_cannot_choose_a_filesystem_path(tmp_path):
             ch.call("Init", wire.encode({"index": 0, "config": config, "optimizer": optimizer(
                 "sgd", learning_rate=1.0).to_dict()}, _g()), timeout=10)
         assert not target.exists() and service.server is None
+        greedy = dict(ServerConfig(max_waiters=10 ** 6, max_wait_s=1e9).to_dict())
+        del greedy["checkpoint_dir"]
+        ch.call("Init", wire.encode({"index": 0, "config": greedy, "optimizer": optimizer(
+            "sgd", learning_rate=1.0).to_dict()}, _g()), timeout=10)
+        cfg = service.server.config  # a remote Init cannot lift the server's waiting limits
+        assert cfg.max_waiters <= 24 and cfg.max_wait_s <= 300
     finally:
         server.stop(0)
 

@@ -454,6 +454,9 @@ class GrpcClient:
 
 # what a remote Init may set; checkpoint_dir is not among them (no peer picks a path here)
 _REMOTE_CONFIG = frozenset(f.name for f in dataclasses.fields(ServerConfig)) - {"checkpoint_dir"}
+# ...and the waiting limits it may not raise past what keeps handler threads free (serve()
+# runs 32: at most 24 may wait) or make a wait unbounded in practice
+_MAX_WAITERS, _MAX_WAIT_S = 24, 300.0
 
 
 class PSService:
@@ -504,6 +507,9 @@ class PSService:
             if self.server is None:
                 try:
                     cfg = ServerConfig(**config, checkpoint_dir=self.checkpoint_dir)
+                    cfg = dataclasses.replace(
+                        cfg, max_waiters=min(cfg.max_waiters, _MAX_WAITERS),
+                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S))
                     opt = OptimizerSpec.from_dict(header.get("optimizer"))
                 except (TypeError, ValueError, KeyError, AttributeError) as e:
                     raise PushRejected(f"Init: bad config or optimizer: {e!r}") from None
