@@ -12,15 +12,24 @@ own accelerator would; emulated with a sleep because this machine's few shared c
 otherwise measure CPU contention, not the parameter server). Ratios compare runs of this one
 invocation.
 
-    python benchmarks/parameter_server.py [--mb 2] [--seconds 3] [--workers 1,2,4]
+    python benchmarks/parameter_server.py [--mb 2] [--seconds 3] [--workers 1,2,4] [--tls]
+
+Every call carries the job's token (authentication is on by default). ``--tls`` also starts a
+second server with a self-signed certificate made for this run and measures the gRPC transport
+rows over TLS, interleaved with plaintext runs (plain, TLS, TLS, plain per worker count), and
+prints TLS / plaintext ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import ipaddress
 import json
 import os
+import secrets
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -30,9 +39,61 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxdist.ps import optimizer  # noqa: E402
-from jaxdist.ps.cli import free_ports  # noqa: E402
+from jaxdist.launch import free_ports  # noqa: E402
 from jaxdist.ps.server import ParameterServer, ServerConfig  # noqa: E402
-from jaxdist.ps.transport import Channel, GrpcClient, LocalClient, serve  # noqa: E402
+from jaxdist.ps.transport import (Channel, GrpcClient, LocalClient, TLSConfig,  # noqa: E402
+                                  serve)
+
+TOKEN = os.environ.setdefault("JAXDIST_PS_TOKEN", secrets.token_urlsafe(16))
+
+
+def self_signed(directory: str) -> dict[str, str]:
+    """A self-signed certificate for 127.0.0.1 in ``directory``; returns the TLS env vars."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxdist-bench")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_file, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_file, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return {"JAXDIST_PS_TLS_CERT": cert_file, "JAXDIST_PS_TLS_KEY": key_file,
+            "JAXDIST_PS_TLS_CA": cert_file}
+
+
+def start_server(addr: str, env: dict[str, str]) -> subprocess.Popen:
+    cluster = json.dumps({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": [addr]})
+    return subprocess.Popen([sys.executable, "-m", "jaxdist.ps.cli", "--role", "ps",
+                             "--index", "0", "--cluster", cluster], env=env,
+                            stdout=subprocess.DEVNULL)
+
+
+def init_server(addr: str, params, nbytes: int, tls) -> GrpcClient:
+    client = GrpcClient(addr, token=TOKEN, timeout=30, tls=tls)
+    deadline = time.time() + 60
+    while True:
+        try:
+            client.init(0, params, optimizer("sgd", learning_rate=0.1),
+                        ServerConfig(max_push_bytes=2 * nbytes))
+            return client
+        except ConnectionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def model(mb: float) -> dict[str, np.ndarray]:
@@ -65,7 +126,7 @@ def run_raw_echo(nbytes: int, seconds: float) -> float:
     proc = subprocess.Popen([sys.executable, __file__, "--_echo", addr, "--_bytes", str(nbytes)],
                             stdout=subprocess.DEVNULL)
     try:
-        ch = Channel(addr, "bench.Echo")
+        ch = Channel(addr, "bench.Echo", token=TOKEN)
         payload = b"\0" * nbytes
         deadline = time.time() + 60
         while True:
@@ -90,7 +151,8 @@ def run_raw_echo(nbytes: int, seconds: float) -> float:
 
 def _echo_server(addr: str, nbytes: int) -> None:
     payload = b"\0" * nbytes
-    server, _ = serve(addr, "bench.Echo", {"Pull": lambda r: payload, "Push": lambda r: b""})
+    server, _ = serve(addr, "bench.Echo", {"Pull": lambda r, call: payload,
+                                           "Push": lambda r, call: b""}, token=TOKEN)
     server.wait_for_termination()
 
 
@@ -116,15 +178,18 @@ def run_inprocess(params, n: int, seconds: float, compute_s: float):
     return _total(results, seconds)
 
 
-def run_grpc(params, n: int, seconds: float, compute_s: float, server_addr: str):
-    client = GrpcClient(server_addr, timeout=30)
+def run_grpc(params, n: int, seconds: float, compute_s: float, server_addr: str,
+             tls_env: dict[str, str] | None = None):
+    client = GrpcClient(server_addr, token=TOKEN, timeout=30,
+                        tls=TLSConfig.from_env(tls_env) if tls_env else None)
     worker_loop(client, 99, 0.3, 0.0, time.time())  # warm the channel and the update
     client.close()
     start = time.time() + 2.0  # workers are started and connected by then
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--_worker", server_addr, "--_index", str(i),
          "--seconds", str(seconds), "--compute-ms", str(compute_s * 1e3),
-         "--_start", repr(start)], stdout=subprocess.PIPE) for i in range(n)]
+         "--_start", repr(start)], stdout=subprocess.PIPE, env=dict(os.environ, **(tls_env or {})))
+        for i in range(n)]
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 120)
@@ -138,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--compute-ms", type=float, default=20.0)
+    ap.add_argument("--tls", action="store_true",
+                    help="also measure the gRPC transport over TLS (ratio TLS / plaintext)")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--_start", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -148,7 +215,7 @@ def main(argv=None) -> int:
         _echo_server(a._echo, a._bytes)
         return 0
     if a._worker:
-        client = GrpcClient(a._worker, timeout=30)
+        client = GrpcClient(a._worker, token=TOKEN, timeout=30, tls=TLSConfig.from_env())
         client.status()
         print(json.dumps(worker_loop(client, a._index, a.seconds, a.compute_ms / 1e3,
                                      a._start)))
@@ -159,25 +226,18 @@ def main(argv=None) -> int:
     counts = [int(n) for n in a.workers.split(",")]
     port = free_ports(1)[0]
     addr = f"127.0.0.1:{port}"
-    cluster = json.dumps({"ps": [addr], "worker": ["127.0.0.1:1"]})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
         "PYTHONPATH")])))
-    server = subprocess.Popen([sys.executable, "-m", "jaxdist.ps.cli", "--role", "ps",
-                               "--index", "0", "--cluster", cluster], env=env,
-                              stdout=subprocess.DEVNULL)
+    server = start_server(addr, env)
+    tls_dir = tempfile.TemporaryDirectory() if a.tls else None
+    tls_env = self_signed(tls_dir.name) if a.tls else None
+    tls_addr = f"127.0.0.1:{free_ports(1)[0]}"
+    tls_server = start_server(tls_addr, dict(env, **tls_env)) if a.tls else None
     try:
-        client = GrpcClient(addr, timeout=30)
-        deadline = time.time() + 60
-        while True:
-            try:
-                client.init(0, params, optimizer("sgd", learning_rate=0.1),
-                            ServerConfig(max_push_bytes=2 * nbytes))
-                break
-            except ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
+        client = init_server(addr, params, nbytes, None)
+        tls_client = (init_server(tls_addr, params, nbytes, TLSConfig.from_env(tls_env))
+                      if a.tls else None)
         print(f"model {nbytes / 2**20:.2f} MiB (2 float32 leaves), 1 server applying SGD, "
               f"{a.seconds:g} s per run, compute kind = sleep {a.compute_ms:g} ms per step")
         print(f"{'transport':<11} {'kind':<9} {'workers':>7} {'ops/s':>9} {'updates/s':>10} "
@@ -205,13 +265,30 @@ def main(argv=None) -> int:
         print(f"best gRPC server throughput: {best:.3f} GB/s; bare Python gRPC echo of the same "
               f"messages, 1 client: {raw:.3f} GB/s; parameter server 1 worker / echo: "
               f"{table['grpc', 'transport', counts[0]][2] / raw:.2f}")
+        if a.tls:
+            print("TLS / plaintext, gRPC transport rows (plain, TLS, TLS, plain per count):")
+            for n in counts:
+                plain, tls = [], []
+                for run in (plain, tls, tls, plain):
+                    run.append(run_grpc(params, n, a.seconds, 0.0, tls_addr if run is tls
+                                        else addr, tls_env if run is tls else None)[1])
+                print(f"  {n} worker(s): plaintext {sum(plain) / 2:.1f} updates/s, TLS "
+                      f"{sum(tls) / 2:.1f} updates/s, ratio {sum(tls) / sum(plain):.2f}",
+                      flush=True)
+            tls_client.shutdown()
+            tls_client.close()
         client.shutdown()
         client.close()
     finally:
-        try:
-            server.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for proc in (server, tls_server):
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if tls_dir is not None:
+            tls_dir.cleanup()
     return 0
 
 

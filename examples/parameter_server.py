@@ -70,9 +70,11 @@ def main():
     if "TF_CONFIG" in os.environ:  # a task of a multi-process job
         train(None, a.steps)
     elif a.processes:
-        from jaxdist.ps.cli import launch_local
-        with launch_local(__file__, ["--steps", str(a.steps)], num_ps=2, num_workers=3) as job:
-            sys.exit(job.wait(timeout=600))
+        from jaxdist import launch
+        result = launch.run([__file__, "--steps", str(a.steps)], num_ps=2, num_workers=3,
+                            timeout_s=600)
+        print(result.output, end="")
+        sys.exit(result.returncode)
     else:
         train(ps.LocalCluster(num_ps=2, num_workers=3), a.steps)
 

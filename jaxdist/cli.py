@@ -25,24 +25,10 @@ def bench(argv: list[str]) -> int:
     return 0
 
 
-def _asks_for_parameter_servers(argv: list[str]) -> bool:
-    """Whether launch options (those before the script) name --ps / --workers."""
-    for arg in argv:
-        if arg in ("-m",) or not arg.startswith("-") and arg.endswith(".py"):
-            return False
-        if arg.split("=", 1)[0] in ("--ps", "--workers"):
-            return True
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # launch and ps pass everything after their own options to a script: parse them separately.
-    if argv and argv[0] == "launch":
-        if _asks_for_parameter_servers(argv[1:]):  # jaxdist launch --ps 2 --workers 3 script.py
-            from jaxdist.ps import cli as ps_cli
-
-            return ps_cli.main(["launch", *argv[1:]])
+    if argv and argv[0] == "launch":  # SPMD (-n N) and parameter-server (--ps/--workers) jobs
         from jaxdist import launch
 
         return launch.main(argv[1:])

@@ -4,7 +4,10 @@ A job is described by one `ClusterSpec` per process. It comes from an explicit v
 `TF_CONFIG` (so tf.distribute launch scripts keep working), from the `JAXDIST_*` variables that
 `jaxdist launch` sets, or, when none of those is set, from JAX's own detection of SLURM /
 Open MPI / Kubernetes / Cloud TPU at `initialize` time. Nothing here touches JAX or the network;
-joining the job and synchronising its processes live in `jaxdist.runtime`.
+joining the job and synchronising its processes live in `jaxdist.runtime` (`jaxdist.initialize`,
+`jaxdist.barrier`), which builds on this module and never the other way round. The errors those
+raise are defined here, so `jaxdist.cluster.CoordinatorTimeoutError` and
+`jaxdist.cluster.BarrierTimeoutError` name them without importing the runtime.
 """
 
 from __future__ import annotations
@@ -23,11 +26,31 @@ ENV_COORDINATOR = "JAXDIST_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
+# The shared secret of a parameter-server job (`jaxdist launch --ps` makes one).
+ENV_PS_TOKEN = "JAXDIST_PS_TOKEN"
 
 _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}, '
     '"task": {"type": "worker", "index": 0}}'
 )
+
+
+class CoordinatorTimeoutError(TimeoutError):
+    """The coordinator did not answer within the timeout (raised by `jaxdist.initialize`)."""
+
+
+class BarrierTimeoutError(TimeoutError):
+    """Not every process reached a `jaxdist.barrier` in time.
+
+    Attributes:
+      name: the barrier's name.
+      missing: ids of the processes that did not arrive.
+      timeout_s: the timeout that expired.
+    """
+
+    def __init__(self, message: str, *, name: str, missing: tuple[int, ...], timeout_s: float):
+        super().__init__(message)
+        self.name, self.missing, self.timeout_s = name, missing, timeout_s
 
 
 def split_address(address: Any) -> tuple[str, int]:
@@ -127,8 +150,10 @@ class ClusterSpec:
       process_id: this process's id in `[0, num_processes)`, or None for a ps / evaluator task.
       task_type: "chief" | "worker" | "ps" | "evaluator".
       task_index: index of this task within its task type (defaults to `process_id`).
-      ps: parameter-server addresses, kept for the parameter-server mode.
+      ps: parameter-server addresses (TF_CONFIG's `ps` job), for `ParameterServerStrategy`.
       workers: addresses of the job's processes ordered by process id (chief first), when known.
+      chief: the chief's address as a 1-tuple when the job has a `chief` task (it is then
+        `workers[0]`), else `()`; `worker_tasks` are the addresses of the `worker` job.
       evaluator: evaluator addresses, when known.
       local_device_ids: restricts the devices this process uses (passed to JAX).
 
@@ -146,9 +171,10 @@ class ClusterSpec:
     workers: tuple[str, ...] = ()
     evaluator: tuple[str, ...] = ()
     local_device_ids: tuple[int, ...] | None = None
+    chief: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for name in ("ps", "workers", "evaluator"):
+        for name in ("ps", "workers", "evaluator", "chief"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Sequence):
                 raise _fail(name, value, "expected a sequence of 'host:port' addresses",
@@ -201,6 +227,19 @@ class ClusterSpec:
                 raise _fail("coordinator_address", self.coordinator_address,
                             f"process 0's address is {self.workers[0]!r}",
                             "use process 0's address as the coordinator")
+        if self.chief and (len(self.chief) != 1 or self.workers[:1] != self.chief):
+            raise _fail("chief", self.chief, "expected one address, equal to workers[0]",
+                        "list the chief first in workers and pass chief=(workers[0],)")
+
+    @property
+    def worker_tasks(self) -> tuple[str, ...]:
+        """Addresses of the `worker` job (the processes after the chief, if there is one).
+
+        >>> ClusterSpec("h0:1", 3, 0, "chief", workers=("h0:1", "h1:1", "h2:1"),
+        ...             chief=("h0:1",)).worker_tasks
+        ('h1:1', 'h2:1')
+        """
+        return self.workers[len(self.chief):]
 
     @property
     def is_jax_process(self) -> bool:
@@ -363,7 +402,7 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
     return ClusterSpec(coordinator_address=processes[0], num_processes=len(processes),
                        process_id=process_id, task_type=task_type, task_index=index,
                        ps=jobs.get("ps", ()), workers=processes,
-                       evaluator=jobs.get("evaluator", ()))
+                       evaluator=jobs.get("evaluator", ()), chief=jobs.get("chief", ()))
 
 
 def cluster_from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | None:
@@ -388,21 +427,3 @@ def cluster_from_environment(environ: Mapping[str, str] | None = None) -> Cluste
     if any(environ.get(n) for n in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)):
         return ClusterSpec.from_env(environ)
     return None
-
-
-# The runtime half of this module moved to jaxdist.runtime, which imports this module; these
-# names stay reachable as jaxdist.cluster.<name> (README, user code) through a lazy lookup
-# rather than an import here, which would be a cycle.
-_RUNTIME_NAMES = ("BarrierTimeoutError", "CoordinatorTimeoutError", "barrier",
-                  "current_cluster", "initialize")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RUNTIME_NAMES:
-        from jaxdist import runtime
-        return getattr(runtime, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_RUNTIME_NAMES})

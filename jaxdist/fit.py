@@ -250,7 +250,9 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     if eval_step is not None and eval_data is not None:
         eval_step = _as_step(eval_step, strategy, donate=False)
         eval_data = _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data")
-    cbs = list(callbacks)
+    # A step that trains elsewhere (ParameterServerStrategy's) brings callbacks that drive its
+    # cluster: join at epoch end and hand back the trained state, as Keras's fit does.
+    cbs = [*getattr(step, "callbacks", ()), *callbacks]
     if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
         cbs.append(ProgressBar())
     try:

@@ -8,14 +8,18 @@ no arguments. Output lines are prefixed with the rank. When one process fails, t
 killed; with `--max-restarts R` it is started again (on a fresh port) up to R times. SIGINT and
 SIGTERM are forwarded to every process; after a grace period the stragglers are killed.
 POSIX only: each process runs in its own session so that killing it kills its children too.
+On Linux each process also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``),
+so a launcher killed with SIGKILL (which it cannot catch) takes its processes with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.cluster import ENV_RESTART_COUNT, ClusterSpec, parse_count
+from jaxdist.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec, parse_count
 
 _PREFIX = "jaxdist launch: "
 EXIT_TIMEOUT = 124
@@ -50,18 +54,27 @@ class LaunchResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    num_processes: int
+    num_processes: int | None
     devices_per_process: int | None = None
     max_restarts: int = 0
     port: int | None = None
     timeout_s: float | None = None
     grace_period_s: float = 20.0
+    num_ps: int = 0
+    num_workers: int = 0
 
     def __post_init__(self):
         def check(name, ok, expected):
             if not ok:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected {expected}.")
-        check("num_processes", self.num_processes >= 1, "an integer >= 1")
+        if self.num_ps or self.num_workers:
+            check("num_ps", self.num_ps >= 1, "an integer >= 1 with --workers")
+            check("num_workers", self.num_workers >= 1, "an integer >= 1 with --ps")
+            check("num_processes", self.num_processes is None,
+                  "no -n with --ps/--workers (the job is 1 chief + workers + ps)")
+            return check("port", self.port is None, "no --port with --ps/--workers")
+        check("num_processes", self.num_processes is not None and self.num_processes >= 1,
+              "an integer >= 1")
         check("devices_per_process",
               self.devices_per_process is None or self.devices_per_process >= 1, ">= 1")
         check("max_restarts", self.max_restarts >= 0, ">= 0")
@@ -101,6 +114,24 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# Run before the rank's own interpreter: ask for SIGKILL when the parent (the launcher) dies,
+# then exec the real command (the setting survives execve of a non-setuid binary). Doing this in
+# a bootstrap rather than a preexec_fn keeps Python code out of the fork of a threaded parent.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the launcher died before prctl took effect\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _die_with_parent(command: list[str]) -> list[str]:
+    """``command`` wrapped so that the process gets SIGKILL when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -134,6 +165,8 @@ class _Launcher:
         deadline = None if options.timeout_s is None else time.monotonic() + options.timeout_s
         if self._env.pop("TF_CONFIG", None) is not None:
             self.say("ignoring TF_CONFIG: the launcher defines the cluster")
+        if options.num_ps:
+            return self._run_ps_job(deadline)
         for attempt in range(options.max_restarts + 1):
             port = options.port or free_ports(1)[0]
             code, failure = self._run_group(attempt, port, deadline)
@@ -148,16 +181,27 @@ class _Launcher:
                      f"(restart {attempt + 1} of {options.max_restarts})")
         raise AssertionError("unreachable")
 
-    def _child_env(self, rank: int, attempt: int, port: int) -> dict[str, str]:
-        n = self._options.num_processes
+    def child_env(self, extra: Mapping[str, str], attempt: int) -> dict[str, str]:
         env = dict(self._env)
-        env.update(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env())
+        env.update(extra)
         env[ENV_RESTART_COUNT] = str(attempt)
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
         if self._options.devices_per_process is not None:
             env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         return env
+
+    def spawn(self, label: str, env: Mapping[str, str],
+              readers: list[threading.Thread]) -> subprocess.Popen:
+        """Starts one process of the job; its output lines are prefixed with ``[label] ``."""
+        proc = subprocess.Popen(_die_with_parent(self._command), env=env, cwd=self._cwd,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            reader = threading.Thread(target=self._pump, args=(label, stream, pipe), daemon=True)
+            reader.start()
+            readers.append(reader)
+        return proc
 
     def _run_group(self, attempt: int, port: int,
                    deadline: float | None) -> tuple[int, str | None]:
@@ -167,16 +211,8 @@ class _Launcher:
         readers: list[threading.Thread] = []
         try:
             for rank in range(n):
-                proc = subprocess.Popen(self._command, env=self._child_env(rank, attempt, port),
-                                        cwd=self._cwd, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
-                procs.append(proc)
-                for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-                    reader = threading.Thread(target=self._pump, args=(rank, stream, pipe),
-                                              daemon=True)
-                    reader.start()
-                    readers.append(reader)
+                env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
+                procs.append(self.spawn(str(rank), env, readers))
             return self._supervise(procs, deadline)
         finally:
             for proc in procs:  # also reaps grandchildren left behind by a finished rank
@@ -186,11 +222,79 @@ class _Launcher:
             for reader in readers:
                 reader.join(timeout=5.0)
 
+    def _run_ps_job(self, deadline: float | None) -> int:
+        """A parameter-server job: one chief, ``num_workers`` workers, ``num_ps`` servers.
+
+        Every task runs the same script with a TF_CONFIG naming its task (tf.distribute's
+        convention) and the job's token in ``JAXDIST_PS_TOKEN`` (made here unless the
+        environment has one). The chief's exit ends the job with its code; a worker or server
+        that fails is restarted alone, on its address, up to ``max_restarts`` times each (the
+        coordinator re-schedules a lost worker's closures; a server restores its checkpoint).
+        """
+        o = self._options
+        addresses = [f"127.0.0.1:{p}" for p in free_ports(1 + o.num_workers + o.num_ps)]
+        cluster = {"chief": addresses[:1], "worker": addresses[1:1 + o.num_workers],
+                   "ps": addresses[1 + o.num_workers:]}
+        if not self._env.get(ENV_PS_TOKEN):
+            self._env[ENV_PS_TOKEN] = secrets.token_urlsafe(32)
+        tasks = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster[job]))]
+        self.say(f"parameter-server job, cluster {json.dumps(cluster)}")
+        procs: dict[tuple[str, int], subprocess.Popen] = {}
+        restarts = dict.fromkeys(tasks, 0)
+        readers: list[threading.Thread] = []
+
+        def start(task: tuple[str, int]) -> None:
+            tf_config = json.dumps({"cluster": cluster,
+                                    "task": {"type": task[0], "index": task[1]}})
+            env = self.child_env({"TF_CONFIG": tf_config}, restarts[task])
+            procs[task] = self.spawn(f"{task[0]} {task[1]}", env, readers)
+            self.say(f"{task[0]} {task[1]} started (pid {procs[task].pid})")
+        try:
+            for task in tasks:
+                start(task)
+            while True:
+                if self._signal is not None:
+                    return self.forward_and_wait(list(procs.values()))
+                code = procs["chief", 0].poll()
+                if code is not None:
+                    if code != 0:
+                        self.say(f"chief {_describe(code)}; stopping the job")
+                    grace_end = time.monotonic() + self._options.grace_period_s
+                    while (any(p.poll() is None for p in procs.values())  # after Shutdown
+                           and time.monotonic() < grace_end):
+                        self._wake.wait(0.05)
+                    return _exit_code(code)
+                for task in tasks[1:]:
+                    code = procs[task].poll()
+                    if code in (None, 0) or restarts[task] < 0:
+                        continue
+                    if restarts[task] < o.max_restarts:
+                        restarts[task] += 1
+                        self.restarts += 1
+                        self.say(f"{task[0]} {task[1]} {_describe(code)}; restarting it "
+                                 f"(restart {restarts[task]} of {o.max_restarts})")
+                        start(task)
+                    else:
+                        self.say(f"{task[0]} {task[1]} {_describe(code)}; not restarted "
+                                 f"(--max-restarts {o.max_restarts})")
+                        restarts[task] = -1
+                if deadline is not None and time.monotonic() > deadline:
+                    self.say(f"timed out after {o.timeout_s:g} s; killing the job")
+                    return EXIT_TIMEOUT
+                self._wake.wait(0.05)
+        finally:
+            for proc in procs.values():
+                _kill_group(proc, signal.SIGKILL)
+            for proc in procs.values():
+                proc.wait()
+            for reader in readers:
+                reader.join(timeout=5.0)
+
     def _supervise(self, procs: list[subprocess.Popen],
                    deadline: float | None) -> tuple[int, str | None]:
         while True:
             if self._signal is not None:
-                return self._forward_and_wait(procs), "interrupted"
+                return self.forward_and_wait(procs), "interrupted"
             codes = [proc.poll() for proc in procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
@@ -208,7 +312,7 @@ class _Launcher:
                 return EXIT_TIMEOUT, "timeout"
             self._wake.wait(0.05)
 
-    def _forward_and_wait(self, procs: list[subprocess.Popen]) -> int:
+    def forward_and_wait(self, procs: list[subprocess.Popen]) -> int:
         signum = self._signal
         self.say(f"received {signal.Signals(signum).name}; forwarding it to all "
                  f"{len(procs)} processes (grace period {self._options.grace_period_s:g} s)")
@@ -224,9 +328,9 @@ class _Launcher:
             self._wake.wait(0.05)
         return 128 + signum
 
-    def _pump(self, rank: int, stream: str, pipe) -> None:
+    def _pump(self, label: str, stream: str, pipe) -> None:
         # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
-        prefix, pending = b"[%d] " % rank, b""
+        prefix, pending = f"[{label}] ".encode(), b""
         with pipe:
             for chunk in iter(lambda: pipe.read1(65536), b""):
                 pending += chunk
@@ -242,16 +346,17 @@ class _Launcher:
 _LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")
 
 
-def run(target: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
+def run(target: Sequence[str], *, num_processes: int | None = None,
+        devices_per_process: int | None = None,
         max_restarts: int = 0, port: int | None = None, timeout_s: float | None = None,
         grace_period_s: float = 20.0, env: Mapping[str, str] | None = None,
-        cwd: str | None = None) -> LaunchResult:
+        cwd: str | None = None, num_ps: int = 0, num_workers: int = 0) -> LaunchResult:
     """Runs a script as N local processes of one job and collects their output.
 
     Args:
       target: what follows the options on the command line: `["script.py", *args]` or
         `["-m", "module", *args]`; run with the current Python interpreter.
-      num_processes: number of processes.
+      num_processes: number of processes (an SPMD job; not with ``num_ps``).
       devices_per_process: simulated CPU devices per process (sets `JAX_NUM_CPU_DEVICES`).
       max_restarts: how many times to restart the group after a failure.
       port: coordinator port; a free one is picked when None.
@@ -259,6 +364,10 @@ def run(target: Sequence[str], *, num_processes: int, devices_per_process: int |
       grace_period_s: after a forwarded signal, how long to wait before killing.
       env: the processes' base environment (default `os.environ`).
       cwd: the processes' working directory.
+      num_ps, num_workers: instead of ``num_processes``, a parameter-server job of one chief,
+        ``num_workers`` workers and ``num_ps`` servers (TF_CONFIG per task, a generated
+        ``JAXDIST_PS_TOKEN``; failed workers and servers are restarted alone up to
+        ``max_restarts`` times each; the chief's exit code is the job's).
 
     Returns:
       A `LaunchResult`.
@@ -271,7 +380,7 @@ def run(target: Sequence[str], *, num_processes: int, devices_per_process: int |
     (0, ['', '[0] hi', '[1] hi'])
     """
     options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
-                       grace_period_s)
+                       grace_period_s, num_ps, num_workers)
     lines: list[bytes] = []
     lock = threading.Lock()
 
@@ -285,7 +394,7 @@ def run(target: Sequence[str], *, num_processes: int, devices_per_process: int |
 
 
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
-                  "--timeout", "--grace-period"}
+                  "--timeout", "--grace-period", "--ps", "--workers"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -317,15 +426,22 @@ def _count(flag: str):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxdist launch",
-        usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
-        description="Run N local processes of one multi-process JAX job.")
-    parser.add_argument("-n", "--num-processes", type=_count("--num-processes"), required=True,
+        usage="%(prog)s (-n N | --ps P --workers W) [options] (script.py | -m module) "
+              "[args ...]",
+        description="Run N local processes of one multi-process JAX job, or a "
+                    "parameter-server job of 1 chief, W workers and P servers.")
+    parser.add_argument("-n", "--num-processes", type=_count("--num-processes"),
                         help="number of processes")
+    parser.add_argument("--ps", type=_count("--ps"), metavar="P",
+                        help="parameter-server job: P servers (with --workers)")
+    parser.add_argument("--workers", type=_count("--workers"), metavar="W",
+                        help="parameter-server job: W workers (with --ps)")
     parser.add_argument("--devices-per-process", type=_count("--devices-per-process"),
                         metavar="K",
                         help="give each process K simulated CPU devices")
     parser.add_argument("--max-restarts", type=_count("--max-restarts"), default=0, metavar="R",
-                        help="restart the whole group up to R times after a failure")
+                        help="restart the whole group up to R times after a failure "
+                             "(--ps jobs: each failed worker / server, R times each)")
     parser.add_argument("--port", type=_count("--port"),
                         help="coordinator port (default: a free one)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
@@ -343,9 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(options_argv)
     if not target or target == ["-m"]:
         parser.error("expected a script (script.py [args]) or a module (-m module [args])")
+    if args.num_processes is None and args.ps is None and args.workers is None:
+        parser.error("expected -n N (an SPMD job) or --ps P --workers W (a parameter-server "
+                     "job)")
     try:
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
-                           args.port, args.timeout, args.grace_period)
+                           args.port, args.timeout, args.grace_period, args.ps or 0,
+                           args.workers or 0)
     except ValueError as e:
         parser.error(str(e))
     lock = threading.Lock()

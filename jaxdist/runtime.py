@@ -16,13 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from jaxdist.cluster import BarrierTimeoutError as BarrierTimeoutError
 from jaxdist.cluster import ClusterSpec, _fail, cluster_from_environment, split_address
+from jaxdist.cluster import CoordinatorTimeoutError as CoordinatorTimeoutError
 
 logger = logging.getLogger(__name__)
-
-
-class CoordinatorTimeoutError(TimeoutError):
-    """The coordinator did not answer within the timeout."""
 
 
 _lock = threading.Lock()
@@ -234,20 +232,6 @@ class _Watchdog:
 
     def __exit__(self, *exc_info):
         self._timer.cancel()
-
-
-class BarrierTimeoutError(TimeoutError):
-    """Not every process reached a `barrier` in time.
-
-    Attributes:
-      name: the barrier's name.
-      missing: ids of the processes that did not arrive.
-      timeout_s: the timeout that expired.
-    """
-
-    def __init__(self, message: str, *, name: str, missing: tuple[int, ...], timeout_s: float):
-        super().__init__(message)
-        self.name, self.missing, self.timeout_s = name, missing, timeout_s
 
 
 _barrier_counts: dict[str, int] = {}

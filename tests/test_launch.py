@@ -131,3 +131,39 @@ def test_command_line_errors(capsys):
             launch.main(argv)
         assert info.value.code == 2
     assert "num_processes = 0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_sigkill_of_the_launcher_takes_its_ranks_with_it(tmp_path):
+    # before: the ranks kept running under PID 1
+    env = dict(_env(), PID_DIR=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "jaxdist.launch", "-n", "2",
+                                 str(SCRIPTS / "sleep_forever.py")], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert launcher.poll() is None, "launcher exited early"
+            pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.suffix != ".tmp"]
+            time.sleep(0.1)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, pids)), f"ranks {pids} outlived their launcher"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """Parameter-server semantics: versions, exactly-once step ids, staleness, sync rounds,
 checkpoints, and bad pushes over gRPC."""
 
+import dataclasses
 import time
 
 import jax
@@ -119,7 +120,7 @@ def test_bad_pushes_are_rejected_and_the_server_keeps_serving(grpc_server):
     version, pulled = client.pull()
     assert version == 1
     np.testing.assert_array_equal(pulled["w"], -1.0)
-    assert client.log() == [(1, 0, 0, 0)]
+    assert [tuple(r) for r in map(dataclasses.astuple, client.log())] == [(1, 0, 0, 0)]
 
 
 def test_lost_updates_count_acknowledged_versions_past_the_restored_checkpoint():
@@ -143,6 +144,9 @@ class _FlakyWorker:
     def __init__(self):
         self.runs = 0
 
+    def check(self, closure_id, fn, args, kwargs):
+        pass
+
     def run(self, closure_id, fn, args, kwargs):
         from jaxdist.ps.coordinator import WorkerLost
         self.runs += 1
@@ -155,6 +159,9 @@ class _FlakyWorker:
         return 7
 
     def abort(self):
+        pass
+
+    def shutdown(self):
         pass
 
     def close(self):
@@ -198,3 +205,48 @@ def test_multiprocess_schedule_refuses_unregistered_functions_and_odd_arguments(
         assert coord.done()
     finally:
         coord.shutdown()
+
+
+class _ProtocolOnlyServer:
+    """A ServerClient with nothing beyond the protocol (no ``.server`` to peek at)."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def pull(self, *, min_version=None, timeout=None):
+        return self._server.pull(min_version=min_version, timeout=timeout)
+
+    def push(self, *, worker, step_id, version, grads):
+        return self._server.push(worker=worker, step_id=step_id, version=version, grads=grads)
+
+    def status(self):
+        return self._server.status()
+
+    def log(self):
+        return list(self._server.log)
+
+
+class _PickyWorker(_FlakyWorker):
+    """A worker handle that refuses, at schedule time, closures it could never run."""
+
+    def check(self, closure_id, fn, args, kwargs):
+        if args:
+            raise ValueError("this worker takes no arguments")
+
+
+def test_coordinator_reaches_workers_and_servers_only_through_their_protocols():
+    # before: server_logs peeked at `.server` (hasattr) and schedule only validated GrpcWorker
+    # (isinstance); RemoteValue.live_workers raised AttributeError
+    from jaxdist.ps.coordinator import ClusterCoordinator, RemoteValue
+    ps = ParameterServer(0, _g(0.0), optax.sgd(1.0))
+    ps.push(worker=0, step_id=5, version=0, grads=_g())
+    coord = ClusterCoordinator([_PickyWorker()], servers=[_ProtocolOnlyServer(ps)],
+                               placement=None, treedef=None, heartbeat_s=60)
+    try:
+        assert [[r.step_id for r in log] for log in coord.server_logs()] == [[5]]
+        with pytest.raises(ValueError, match="takes no arguments"):
+            coord.schedule(lambda worker, x: x, args=(1,))
+        assert coord.done() and coord.live_workers() == [0]
+    finally:
+        coord.shutdown()
+    assert not hasattr(RemoteValue, "live_workers")  # the coordinator's, not a value's

@@ -141,3 +141,19 @@ def test_example_runs_in_process():
                          timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "3 workers, 60 async steps" in out.stdout and "placement: greedy" in out.stdout
+
+
+def test_fit_drives_a_parameter_server_job_to_95_percent():
+    # issue 11: ParameterServerStrategy through jaxdist.fit, 2 servers x 3 workers
+    strategy = ps.ParameterServerStrategy(ps.LocalCluster(num_ps=2, num_workers=3))
+    step = strategy.step(dj.loss_fn, optimizer=optax.adam(3e-3))
+    (x, y), (xt, yt) = dj.digits()
+    history = jaxdist.fit(step, dj.init_params(), (x, y), batch_size=32, epochs=15, verbose=0,
+                          seed=1)
+    assert len(history.history["loss"]) == 15 and history.epochs == list(range(15))
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert dj.accuracy(history.state, xt, yt) >= 0.95
+    assert step.coordinator is None  # fit shut the job down
+    with pytest.raises(ValueError, match="eval_step inside jaxdist.fit is not supported"):
+        jaxdist.fit(step, dj.init_params(), (x, y), batch_size=32, verbose=0,
+                    eval_step=lambda s, b: {}, eval_data=(xt, yt))

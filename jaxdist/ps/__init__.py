@@ -19,8 +19,7 @@ from jaxdist.ps.server import ServerConfig as ServerConfig
 from jaxdist.ps.server import UpdateRecord as UpdateRecord
 from jaxdist.ps.strategy import LocalCluster as LocalCluster
 from jaxdist.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
-from jaxdist.ps.strategy import RemoteCluster as RemoteCluster
-from jaxdist.ps.strategy import cluster_from_tf_config as cluster_from_tf_config
+from jaxdist.ps.transport import TLSConfig as TLSConfig
 from jaxdist.ps.worker import WorkerRuntime as WorkerRuntime
 from jaxdist.ps.worker import make_step_id as make_step_id
 from jaxdist.ps.worker import remote as remote

@@ -24,8 +24,8 @@ import grpc
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
 from jaxdist.ps.server import UpdateRecord
-from jaxdist.ps.transport import Channel, Unavailable
-from jaxdist.ps.worker import WORKER_SERVICE, WorkerRuntime, name_of, to_plain
+from jaxdist.ps.transport import Channel, ServerClient, TLSConfig, Unavailable
+from jaxdist.ps.worker import WORKER_SERVICE, AckBook, WorkerRuntime, name_of, to_plain
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerDataset", "WorkerLost",
            "ClosureError", "LocalWorker", "GrpcWorker"]
@@ -54,13 +54,13 @@ class RemoteValue:
         self._value, self._error = value, error
         self._event.set()
 
-    def live_workers(self) -> list[int]:
-        """Indices of the workers currently taking closures."""
-        with self._cond:
-            return [i for i, alive in self._alive.items() if alive]
-
     def done(self) -> bool:
         return self._event.is_set()
+
+    def __float__(self) -> float:
+        """The result as a float, waiting for it (how ``jaxdist.fit`` reads scheduled losses,
+        as Keras resolves ``RemoteValue`` logs when a callback reads them)."""
+        return float(self.fetch())
 
     def fetch(self, timeout: float | None = None) -> Any:
         """Blocks until the closure finished; returns its result.
@@ -86,7 +86,12 @@ class PerWorkerDataset:
 
 
 class WorkerHandle(Protocol):
+    """What the coordinator needs from one worker (in-process or remote)."""
+
     index: int
+
+    def check(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+        """Raises ValueError at ``schedule`` time if this closure could never run there."""
 
     def run(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
         """Runs ``fn`` there; returns (result, ack rows). Raises WorkerLost / ClosureError."""
@@ -96,6 +101,9 @@ class WorkerHandle(Protocol):
     def ping(self, timeout: float) -> int: ...
 
     def abort(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """Tells the worker's process to exit (no-op in process)."""
 
     def close(self) -> None: ...
 
@@ -111,6 +119,9 @@ class LocalWorker:
     def _check(self):
         if self.killed:
             raise WorkerLost(f"in-process worker {self.index} was killed")
+
+    def check(self, closure_id, fn, args, kwargs):
+        pass  # any Python callable runs in process
 
     def run(self, closure_id, fn, args, kwargs):
         self._check()
@@ -136,6 +147,9 @@ class LocalWorker:
     def abort(self):
         pass
 
+    def shutdown(self):
+        pass
+
     def close(self):
         self.runtime.close()
 
@@ -143,10 +157,11 @@ class LocalWorker:
 class GrpcWorker:
     """A worker process reached over gRPC (see :class:`jaxdist.ps.worker.WorkerService`)."""
 
-    def __init__(self, index: int, address: str, *, token: str | None = None):
+    def __init__(self, index: int, address: str, *, token: str | None = None,
+                 tls: TLSConfig | None = None):
         self.index = index
         self.address = address
-        self._ch = Channel(address, WORKER_SERVICE, token=token)
+        self._ch = Channel(address, WORKER_SERVICE, token=token, tls=tls)
         self._inflight = None
 
     @staticmethod
@@ -162,6 +177,9 @@ class GrpcWorker:
             raise ValueError(f"arguments of {fn.__qualname__} cannot be sent to a worker "
                              f"process ({e}); pass numbers, strings, lists, dicts, arrays "
                              "or per-worker datasets") from None
+
+    def check(self, closure_id, fn, args, kwargs):
+        self.request(closure_id, fn, args, kwargs)
 
     def run(self, closure_id, fn, args, kwargs):
         self._inflight = fut = self._ch.future("Run", self.request(closure_id, fn, args, kwargs))
@@ -227,8 +245,8 @@ class ClusterCoordinator:
     shuts the job down on exit.
 
     Args:
-      workers: handles of the workers (in-process or gRPC).
-      servers: clients of the parameter servers, in shard order.
+      workers: :class:`WorkerHandle` of each worker (in-process or gRPC).
+      servers: :class:`~jaxdist.ps.transport.ServerClient` of each server, in shard order.
       placement, treedef: to reassemble the parameters in :meth:`fetch_params`.
       heartbeat_s: seconds between heartbeats to each worker.
       dead_after_s: a worker whose heartbeats fail for this long is marked dead.
@@ -237,7 +255,7 @@ class ClusterCoordinator:
       on_shutdown: called by :meth:`shutdown` (stops the servers of a multi-process job).
     """
 
-    def __init__(self, workers: Sequence[WorkerHandle], *, servers: Sequence[Any],
+    def __init__(self, workers: Sequence[WorkerHandle], *, servers: Sequence[ServerClient],
                  placement: placement_lib.Placement, treedef: Any,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
                  max_attempts: int = 10, on_shutdown: Callable[[], None] | None = None):
@@ -254,7 +272,7 @@ class ClusterCoordinator:
         self._alive = {w.index: True for w in self.workers}
         self._incarnation: dict[int, int] = {}
         self._last_ok = {w.index: time.monotonic() for w in self.workers}
-        self._acks: dict[int, dict[int, list[int]]] = {}
+        self._acks = AckBook()
         self.rescheduled = 0
         self._heartbeat_s, self._dead_after_s = heartbeat_s, dead_after_s
         self._max_attempts = max_attempts
@@ -291,8 +309,8 @@ class ClusterCoordinator:
         """
         closure = _Closure(next(self._ids), fn, tuple(args), dict(kwargs or {}), None)
         closure.value = RemoteValue(closure.id)
-        if any(isinstance(w, GrpcWorker) for w in self.workers):
-            GrpcWorker.request(closure.id, fn, closure.args, closure.kwargs)  # fail here, early
+        for w in self.workers:  # fail here, early, not on a worker later
+            w.check(closure.id, fn, closure.args, closure.kwargs)
         with self._cond:
             self._unfinished += 1
             self._queue.append(closure)
@@ -421,23 +439,15 @@ class ClusterCoordinator:
 
     def _record_acks(self, rows: list) -> None:
         with self._cond:
-            for shard, incarnation, restored, version in rows:
-                seen = self._acks.setdefault(shard, {}).setdefault(incarnation,
-                                                                   [restored, version])
-                seen[1] = max(seen[1], version)
+            for row in rows:
+                self._acks.add(*row)
 
     def lost_updates(self) -> dict[int, int]:
         """Updates each server lost to restarts: for every restart, the highest version workers
         saw acknowledged before it minus the version the server was restored from (at most the
         checkpoint interval)."""
-        out = {}
         with self._cond:
-            for shard, by_inc in self._acks.items():
-                # one [restored version, highest ack] per incarnation; restores only move
-                # forward in time, and the fresh start (-1) comes first
-                runs = sorted(by_inc.values())
-                out[shard] = sum(max(0, prev[1] - cur[0]) for prev, cur in zip(runs, runs[1:]))
-        return out
+            return self._acks.lost_updates()
 
     def fetch_params(self) -> Any:
         """Pulls every shard and returns the whole parameter tree (numpy leaves)."""
@@ -446,13 +456,7 @@ class ClusterCoordinator:
 
     def server_logs(self) -> list[list[UpdateRecord]]:
         """Each server's log of applied pushes."""
-        out = []
-        for s in self.servers:
-            if hasattr(s, "server"):
-                out.append(list(s.server.log))
-            else:
-                out.append([UpdateRecord(*r) for r in s.log()])
-        return out
+        return [list(s.log()) for s in self.servers]
 
     def server_status(self) -> list[dict[str, Any]]:
         return [s.status() for s in self.servers]
@@ -467,8 +471,7 @@ class ClusterCoordinator:
         for t in self._threads:
             t.join(timeout=5)
         for w in self.workers:
-            if hasattr(w, "shutdown"):
-                w.shutdown()
+            w.shutdown()
             w.close()
         if self._on_shutdown is not None:
             self._on_shutdown()

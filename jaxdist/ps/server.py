@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 from jaxdist.ps import wire
 from jaxdist.ps.optim import OptimizerSpec
@@ -34,7 +35,10 @@ __all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "Parame
 
 logger = logging.getLogger(__name__)
 
-_CKPT_FORMAT = "jaxdist-ps-checkpoint/1"
+_CKPT_FORMAT = "jaxdist-ps-checkpoint/2"  # /2: Orbax steps (/1 was one wire-format file)
+# Step ids, worker ids and versions are stored as int64 (checkpoints, logs).
+MAX_ID = (1 << 63) - 1
+NONFINITE_POLICIES = ("reject", "apply")
 
 
 class PushRejected(ValueError):
@@ -57,8 +61,14 @@ class ServerConfig:
       staleness: refuse pushes computed more than this many versions ago (None: no bound).
       sync_replicas: average this many pushes per applied update (None: asynchronous).
       max_push_bytes: largest push accepted, in bytes of gradient data.
-      checkpoint_dir: directory for this server's checkpoint file (None: no checkpoints).
+      checkpoint_dir: directory of this server's Orbax checkpoints (None: no checkpoints).
       checkpoint_every: write a checkpoint every this many applied updates.
+      nonfinite: ``"reject"`` (default) refuses a push holding NaN or Inf and counts it in
+        ``status()["rejected_nonfinite"]``; ``"apply"`` applies it as it is.
+      max_wait_s: longest a ``pull(min_version=...)`` waits, whatever the caller asks.
+      max_waiters: most pulls waiting at once; one more is refused at once with
+        ``resource_exhausted`` (remote clients back off and retry), so waiting callers can
+        never take every handler thread of the server.
     """
 
     staleness: int | None = None
@@ -66,6 +76,9 @@ class ServerConfig:
     max_push_bytes: int = 512 << 20
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
+    nonfinite: str = "reject"
+    max_wait_s: float = 30.0
+    max_waiters: int = 16
 
     def __post_init__(self):
         if self.staleness is not None and self.staleness < 0:
@@ -78,6 +91,12 @@ class ServerConfig:
         if self.max_push_bytes < 1 or self.checkpoint_every < 1:
             raise ValueError(f"max_push_bytes ({self.max_push_bytes}) and checkpoint_every "
                              f"({self.checkpoint_every}) must be >= 1")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
+                             f"{NONFINITE_POLICIES}")
+        if not self.max_wait_s > 0 or self.max_waiters < 1:
+            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be > 0 and max_waiters "
+                             f"({self.max_waiters}) >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,6 +135,8 @@ class PushResult:
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise PushRejected(f"{name} must be an integer, got {type(value).__name__}")
+    if not 0 <= value <= MAX_ID:
+        raise PushRejected(f"{name} must be in [0, 2**63), got {value}")
     return int(value)
 
 
@@ -141,7 +162,7 @@ class ParameterServer:
 
     def __init__(self, index: int, params: Mapping[str, Any],
                  optimizer: OptimizerSpec | optax.GradientTransformation,
-                 config: ServerConfig = ServerConfig(), *, _state: dict | None = None):
+                 config: ServerConfig = ServerConfig(), *, _state: tuple | None = None):
         self.index = index
         self.config = config
         self._spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
@@ -156,9 +177,12 @@ class ParameterServer:
         self._taken: set[int] = set()  # applied or pending step ids
         self._pending: dict[int, tuple[int, int, Mapping[str, np.ndarray]]] = {}
         self.log: list[UpdateRecord] = []
+        self.rejected_nonfinite = 0
+        self._waiters = 0
         self._cond = threading.Condition()
+        self._ckpt: ocp.CheckpointManager | None = None
         if _state is not None:
-            self._load_state(_state)
+            self._load_state(*_state)
         elif config.checkpoint_dir:
             self._save()
 
@@ -187,6 +211,15 @@ class ParameterServer:
                 raise PushRejected(
                     f"push to ps{self.index}: gradient {k!r} is {np.dtype(g.dtype).name}"
                     f"{list(np.shape(g))}, expected {dtype.name}{list(shape)}")
+        if self.config.nonfinite == "reject":
+            bad = [k for k, g in grads.items() if np.issubdtype(np.dtype(g.dtype), np.inexact)
+                   and not np.isfinite(g).all()]
+            if bad:
+                with self._cond:
+                    self.rejected_nonfinite += 1
+                raise PushRejected(f"push to ps{self.index}: gradient(s) {bad} hold NaN or Inf; "
+                                   "refused (ServerConfig.nonfinite='reject'). Check the loss "
+                                   "for overflow, or lower the learning rate")
 
     def push(self, *, worker: int, step_id: int, version: int,
              grads: Mapping[str, Any]) -> PushResult:
@@ -238,103 +271,160 @@ class ParameterServer:
         if self.config.checkpoint_dir and self.version % self.config.checkpoint_every == 0:
             self._save()
 
-    def pull(self, *, min_version: int | None = None,
-             timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """Returns ``(version, {key: read-only array})``, first waiting up to ``timeout`` seconds
-        for ``version >= min_version`` when given (a synchronous worker waiting for its round).
+    def pull(self, *, min_version: int | None = None, timeout: float | None = None,
+             cancelled: threading.Event | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """Returns ``(version, {key: read-only array})``, first waiting for ``version >=
+        min_version`` when given (a synchronous worker waiting for its round).
+
+        The wait lasts at most ``timeout`` seconds and never more than
+        ``ServerConfig.max_wait_s``; it ends early when ``cancelled`` is set (the remote caller
+        went away). At most ``ServerConfig.max_waiters`` pulls wait at once.
 
         Raises:
-          TimeoutError: ``min_version`` was not reached in time.
+          TimeoutError: ``min_version`` was not reached in time (or the wait was cancelled).
+          PushRejected: ``min_version`` is not an integer in [0, 2**63), or
+            ``max_waiters`` pulls are already waiting (code ``resource_exhausted``).
         """
+        if min_version is not None:
+            min_version = _check_int("min_version", min_version)
+        wait_s = self.config.max_wait_s if timeout is None else min(
+            max(float(timeout), 0.0), self.config.max_wait_s)
         with self._cond:
-            if min_version is not None and not self._cond.wait_for(
-                    lambda: self.version >= min_version, timeout):
-                raise TimeoutError(f"ps{self.index} stayed at version {self.version} < "
-                                   f"{min_version} for {timeout}s: too few workers pushing "
-                                   f"for sync_replicas={self.config.sync_replicas}?")
+            if min_version is not None and self.version < min_version:
+                if self._waiters >= self.config.max_waiters:
+                    raise PushRejected(f"ps{self.index} already has {self._waiters} pulls "
+                                       "waiting (ServerConfig.max_waiters); retry later",
+                                       "resource_exhausted")
+                self._waiters += 1
+                try:
+                    self._cond.wait_for(lambda: self.version >= min_version or (
+                        cancelled is not None and cancelled.is_set()), wait_s)
+                finally:
+                    self._waiters -= 1
+                if self.version < min_version:
+                    raise TimeoutError(f"ps{self.index} stayed at version {self.version} < "
+                                       f"{min_version} for {wait_s:g}s: too few workers pushing "
+                                       f"for sync_replicas={self.config.sync_replicas}?")
             version, params = self.version, self._params
         return version, {k: np.asarray(v) for k, v in params.items()}
+
+    def wake(self) -> None:
+        """Wakes waiting pulls so they re-check their ``cancelled`` event."""
+        with self._cond:
+            self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"index": self.index, "version": self.version,
                     "incarnation": self.incarnation, "restored_version": self.restored_version,
                     "pending": len(self._pending), "applied": len(self.log),
+                    "rejected_nonfinite": self.rejected_nonfinite, "waiters": self._waiters,
                     "keys": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
 
     # --- checkpoints ---------------------------------------------------------------------------
 
     @staticmethod
     def checkpoint_path(directory: str, index: int) -> str:
-        return os.path.join(directory, f"ps{index}.ckpt")
+        """Where server ``index`` keeps its Orbax checkpoints: ``<directory>/ps<index>/<version>``."""
+        return os.path.join(os.path.abspath(directory), f"ps{index}")
+
+    @classmethod
+    def _manager(cls, directory: str, index: int) -> ocp.CheckpointManager:
+        # Synchronous: a push that crosses checkpoint_every returns once its checkpoint is on
+        # disk, so a killed server loses at most checkpoint_every acknowledged updates.
+        return ocp.CheckpointManager(
+            cls.checkpoint_path(directory, index), item_names=("state", "meta"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                                 enable_async_checkpointing=False))
+
+    def _arrays(self, n_taken: int, n_log: int, like=None) -> dict[str, Any]:
+        """The saved pytree (or, with ``like=np.zeros``, a numpy target of its shapes).
+
+        Orbax refuses zero-size arrays, so ``taken`` and ``log`` carry one leading -1 row.
+        """
+        if like is None:
+            taken = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
+            log = np.array([dataclasses.astuple(r) for r in self.log], np.int64).reshape(-1, 4)
+            return {"params": {k: np.asarray(v) for k, v in self._params.items()},
+                    "opt_state": [np.asarray(v) for v in
+                                  jax.tree_util.tree_leaves(self._opt_state)],
+                    "taken": np.concatenate([[-1], taken]).astype(np.int64),
+                    "log": np.concatenate([np.full((1, 4), -1, np.int64), log])}
+        return {"params": {k: like(s, d) for k, (s, d) in self._shapes.items()},
+                "opt_state": [like(np.shape(v), np.asarray(v).dtype)
+                              for v in jax.tree_util.tree_leaves(self._opt_state)],
+                "taken": like((n_taken + 1,), np.int64), "log": like((n_log + 1, 4), np.int64)}
 
     def _save(self) -> None:
-        """Writes params, optimizer state, version, taken step ids and log atomically."""
-        leaves = jax.tree_util.tree_leaves(self._opt_state)
-        arrays = {f"p/{k}": v for k, v in self._params.items()}
-        arrays.update({f"s/{i}": v for i, v in enumerate(leaves)})
-        arrays["taken"] = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
-        arrays["log"] = np.array([dataclasses.astuple(r) for r in self.log],
-                                 np.int64).reshape(-1, 4)
-        header = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
-                  "optimizer": self._spec.to_dict() if self._spec else None,
-                  "config": self.config.to_dict(), "opt_leaves": len(leaves)}
-        path = self.checkpoint_path(self.config.checkpoint_dir, self.index)
-        os.makedirs(self.config.checkpoint_dir, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(wire.encode(header, arrays))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        logger.debug("ps%d: checkpoint at version %d -> %s", self.index, self.version, path)
+        """Writes params, optimizer state, version, taken step ids and the log as Orbax step
+        ``version`` (Orbax writes to a temporary directory and renames it when complete)."""
+        if self._ckpt is None:
+            self._ckpt = self._manager(self.config.checkpoint_dir, self.index)
+        meta = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
+                "optimizer": self._spec.to_dict() if self._spec else None,
+                "config": self.config.to_dict(), "n_taken": len(self._taken),
+                "n_log": len(self.log),
+                "params": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
+        self._ckpt.save(self.version, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(self._arrays(0, 0)), meta=ocp.args.JsonSave(meta)),
+            force=True)
+        logger.debug("ps%d: checkpoint at version %d -> %s", self.index, self.version,
+                     self.checkpoint_path(self.config.checkpoint_dir, self.index))
 
-    def _load_state(self, state: dict) -> None:
-        header, arrays = state["header"], state["arrays"]
-        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
-        if {k: (tuple(v.shape), v.dtype) for k, v in params.items()} != self._shapes:
-            raise ValueError(f"checkpoint of ps{self.index} holds "
-                             f"{ {k: v.shape for k, v in params.items()} }, expected "
-                             f"{ {k: s for k, (s, _) in self._shapes.items()} }: it belongs to "
-                             "another model or placement; clear the checkpoint directory")
+    def _load_state(self, mgr: ocp.CheckpointManager, step: int, meta: dict) -> None:
+        want = {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}
+        if meta["params"] != want:
+            raise ValueError(f"checkpoint of ps{self.index} holds {meta['params']}, expected "
+                             f"{want}: it belongs to another model or placement; clear the "
+                             "checkpoint directory")
+        target = self._arrays(meta["n_taken"], meta["n_log"], like=np.zeros)
+        state = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"]
         treedef = jax.tree_util.tree_structure(self._opt_state)
-        leaves = [jax.numpy.asarray(arrays[f"s/{i}"]) for i in range(header["opt_leaves"])]
-        self._opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
-        self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
-        self.version = self.restored_version = int(header["version"])
-        self._taken = set(arrays["taken"].tolist())
-        self.log = [UpdateRecord(*map(int, r)) for r in arrays["log"]]
+        self._opt_state = jax.tree_util.tree_unflatten(
+            treedef, [jax.numpy.asarray(v) for v in state["opt_state"]])
+        self._params = {k: jax.numpy.asarray(v) for k, v in state["params"].items()}
+        self.version = self.restored_version = int(meta["version"])
+        self._taken = set(state["taken"][1:].tolist())
+        self.log = [UpdateRecord(*map(int, r)) for r in state["log"][1:]]
+        self._ckpt = mgr
 
     @classmethod
     def restore(cls, directory: str, index: int, *,
                 optimizer: optax.GradientTransformation | None = None,
                 config: ServerConfig | None = None) -> ParameterServer | None:
-        """Rebuilds server ``index`` from its checkpoint in ``directory`` (None if there is none).
+        """Rebuilds server ``index`` from its newest checkpoint in ``directory`` (None if there
+        is none).
 
         The optimizer comes from the checkpoint when it was an :class:`OptimizerSpec`, else from
         ``optimizer``; the config from the checkpoint unless ``config`` is given.
 
         Raises:
-          ValueError: the file is not a jaxdist parameter-server checkpoint of shard ``index``,
-            or it needs an ``optimizer`` argument.
+          ValueError: the checkpoint is not a jaxdist parameter-server checkpoint of shard
+            ``index``, or it needs an ``optimizer`` argument.
         """
         path = cls.checkpoint_path(directory, index)
-        if not os.path.exists(path):
+        if not os.path.isdir(path):
             return None
-        with open(path, "rb") as f:
-            header, arrays = wire.decode(f.read())
-        if header.get("format") != _CKPT_FORMAT or header.get("index") != index:
-            raise ValueError(f"{path} is not a checkpoint of ps{index} "
-                             f"(format {header.get('format')!r}, index {header.get('index')!r})")
-        if header["optimizer"] is not None:
-            opt: Any = OptimizerSpec.from_dict(header["optimizer"])
+        mgr = cls._manager(directory, index)
+        step = mgr.latest_step()
+        if step is None:
+            mgr.close()
+            return None
+        meta = dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        if meta.get("format") != _CKPT_FORMAT or meta.get("index") != index:
+            raise ValueError(f"{path}/{step} is not a checkpoint of ps{index} "
+                             f"(format {meta.get('format')!r}, index {meta.get('index')!r})")
+        if meta["optimizer"] is not None:
+            opt: Any = OptimizerSpec.from_dict(meta["optimizer"])
         elif optimizer is not None:
             opt = optimizer
         else:
             raise ValueError(f"{path} was written with a plain optax transformation; pass "
                              "optimizer= to restore it, or use jaxdist.ps.optimizer(...)")
-        config = config or ServerConfig(**header["config"])
-        params = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
-        server = cls(index, params, opt, config, _state={"header": header, "arrays": arrays})
+        config = config or ServerConfig(**meta["config"])
+        params = {k: np.zeros(shape, np.dtype(wire.ALLOWED_DTYPES[d]))
+                  for k, (d, shape) in meta["params"].items()}
+        server = cls(index, params, opt, config, _state=(mgr, step, meta))
         logger.warning("ps%d restored from %s at version %d", index, path, server.version)
         return server

@@ -4,39 +4,44 @@ One API, two deployments:
 
 * in-process: ``ParameterServerStrategy(LocalCluster(num_ps=2, num_workers=3))`` runs servers
   and workers as threads of this process (one machine, fast tests);
-* multi-process: ``ParameterServerStrategy(cluster)`` with any object carrying ``ps`` and
-  ``worker`` address lists (or ``None`` to read ``TF_CONFIG``). Every process runs the same
-  script; :meth:`ParameterServerStrategy.start` returns the coordinator on the chief and serves
-  (then exits the process) on ``ps`` and ``worker`` tasks, like TF's ``server.join()``.
+* multi-process: ``ParameterServerStrategy(spec)`` with a :class:`jaxdist.ClusterSpec` that has
+  ``chief``, ``worker`` and ``ps`` jobs (``None`` reads ``TF_CONFIG`` through
+  :meth:`jaxdist.ClusterSpec.from_tf_config`, the package's one validated reader). Every process
+  runs the same script; :meth:`ParameterServerStrategy.start` returns the coordinator on the
+  chief and serves (then exits the process) on ``ps`` and ``worker`` tasks, like TF's
+  ``server.join()``. ``jaxdist launch --ps N --workers M script.py`` starts such a job locally.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import sys
 import time
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig
-from jaxdist.ps.transport import (GrpcClient, LocalClient, PS_SERVICE, PSService, Unavailable,
-                                  serve_until_stopped)
+from jaxdist._retry import retry
+from jaxdist.cluster import ClusterSpec
+from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERVICE, PSService,
+                                  TLSConfig, Unavailable, resolve_token, serve_until_stopped)
 from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
                                strategy_grad_fn)
 
-__all__ = ["ParameterServerStrategy", "LocalCluster", "RemoteCluster", "cluster_from_tf_config"]
+__all__ = ["ParameterServerStrategy", "LocalCluster"]
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("coordinator", "ps", "worker")
+# TF_CONFIG's task types: the chief runs the ClusterCoordinator (as in tf.distribute), so there
+# is no separate "coordinator" role.
+ROLES = ("chief", "ps", "worker")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,71 +57,42 @@ class LocalCluster:
                              f"num_workers={self.num_workers}")
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteCluster:
-    """Addresses of the job's processes and which task this process is.
+def _remote_roles(spec: ClusterSpec) -> tuple[str, int, tuple[str, ...], tuple[str, ...]]:
+    """(role, index, ps addresses, worker addresses) of a parameter-server job's spec.
 
-    Attributes:
-      ps: ``host:port`` of each parameter server.
-      worker: ``host:port`` of each worker.
-      task_type: ``"coordinator"`` (TF's ``chief``), ``"ps"`` or ``"worker"``.
-      task_index: index within ``task_type``.
+    The roles are TF_CONFIG's: ``chief`` runs the coordinator, ``worker`` tasks compute,
+    ``ps`` tasks serve.
     """
-
-    ps: tuple[str, ...]
-    worker: tuple[str, ...]
-    task_type: str = "coordinator"
-    task_index: int = 0
-
-    def __post_init__(self):
-        if not self.ps or not self.worker:
-            raise ValueError(f"a parameter-server cluster needs ps and worker addresses, got "
-                             f"ps={list(self.ps)} worker={list(self.worker)}")
-        if self.task_type not in ROLES:
-            raise ValueError(f"task_type {self.task_type!r} is not one of {ROLES}")
-        n = {"ps": len(self.ps), "worker": len(self.worker), "coordinator": 1}[self.task_type]
-        if not 0 <= self.task_index < n:
-            raise ValueError(f"task_index {self.task_index} out of range for {n} "
-                             f"{self.task_type} task(s)")
-
-
-def cluster_from_tf_config(tf_config: str | dict | None = None) -> RemoteCluster:
-    """Reads ``cluster.ps``, ``cluster.worker`` and ``task`` from ``TF_CONFIG`` (or the argument).
-
-    TF's ``chief`` (and ``evaluator``-less ``coordinator``) task type maps to ``"coordinator"``.
-
-    Raises:
-      ValueError: TF_CONFIG is missing or lacks ps / worker entries.
-
-    >>> c = cluster_from_tf_config({"cluster": {"ps": ["127.0.0.1:1"], "worker": ["h:2"]},
-    ...                             "task": {"type": "worker", "index": 0}})
-    >>> c.worker, c.task_type
-    (('h:2',), 'worker')
-    """
-    if tf_config is None:
-        tf_config = os.environ.get("TF_CONFIG")
-        if not tf_config:
-            raise ValueError("no cluster given and TF_CONFIG is not set; pass a cluster with "
-                             "ps/worker addresses or LocalCluster(num_ps=..., num_workers=...)")
-    cfg = json.loads(tf_config) if isinstance(tf_config, str) else tf_config
-    cluster, task = cfg.get("cluster", {}), cfg.get("task", {"type": "chief", "index": 0})
-    task_type = {"chief": "coordinator", "master": "coordinator"}.get(task.get("type"),
-                                                                      task.get("type"))
-    return RemoteCluster(tuple(cluster.get("ps", ())), tuple(cluster.get("worker", ())),
-                         task_type, int(task.get("index", 0)))
+    if not spec.ps or not spec.chief or not spec.worker_tasks:
+        raise ValueError(
+            f"a parameter-server cluster needs 'chief', 'worker' and 'ps' jobs; got chief="
+            f"{list(spec.chief)} worker={list(spec.worker_tasks)} ps={list(spec.ps)}. Fix: "
+            'TF_CONFIG {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", ...], "ps": '
+            '["h2:p", ...]}, "task": {...}}, or start the job with `jaxdist launch --ps N '
+            "--workers M script.py`")
+    if spec.task_type not in ROLES:
+        raise ValueError(f"task type {spec.task_type!r} has no part in a parameter-server "
+                         f"job; expected one of {ROLES}")
+    return spec.task_type, spec.task_index, spec.ps, spec.worker_tasks
 
 
 class ParameterServerStrategy:
     """Parameters live sharded on parameter servers; workers push gradients asynchronously.
 
     Args:
-      cluster: :class:`LocalCluster`, any object with ``ps`` and ``worker`` address lists (and
-        optionally ``task_type`` / ``task_index``), or None to read ``TF_CONFIG``.
+      cluster: :class:`LocalCluster`, a :class:`jaxdist.ClusterSpec` with ``chief``, ``worker``
+        and ``ps`` jobs, or None to read ``TF_CONFIG``.
       placement: ``"greedy"`` or ``"round_robin"`` (see :func:`jaxdist.ps.placement.plan`).
       staleness: bound on how many versions old a pushed gradient may be (None: unbounded).
       sync_replicas: average this many pushes per update (synchronous mode).
       max_shard_bytes, num_partitions: partition large leaves along their first axis.
-      token: shared secret checked on every RPC (default: ``JAXDIST_PS_TOKEN`` if set).
+      token: shared secret checked on every RPC (default: ``$JAXDIST_PS_TOKEN``, which
+        ``jaxdist launch`` sets); a multi-process job without one refuses to start.
+      authenticate: False serves without a token (a trusted network only).
+      tls: :class:`~jaxdist.ps.transport.TLSConfig` for every channel of the job (default:
+        ``TLSConfig.from_env()``, i.e. ``$JAXDIST_PS_TLS_CERT`` / ``_KEY`` / ``_CA``).
+      nonfinite: what servers do with a gradient holding NaN/Inf: ``"reject"`` (default,
+        counted in ``server_status()``) or ``"apply"``.
       checkpoint_dir, checkpoint_every: server checkpoints (every N applied updates).
       max_push_bytes: largest gradient push a server accepts.
       heartbeat_s, dead_after_s: worker liveness checks.
@@ -132,30 +108,37 @@ class ParameterServerStrategy:
     def __init__(self, cluster: Any = None, *, placement: str = "greedy",
                  staleness: int | None = None, sync_replicas: int | None = None,
                  max_shard_bytes: int | None = None, num_partitions: int | None = None,
-                 token: str | None = None, checkpoint_dir: str | None = None,
+                 token: str | None = None, authenticate: bool = True,
+                 tls: TLSConfig | None = None, nonfinite: str = "reject",
+                 checkpoint_dir: str | None = None,
                  checkpoint_every: int = 100, max_push_bytes: int = 512 << 20,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
                  retry_timeout_s: float = 60.0, worker_strategy: Any = None):
         if cluster is None:
-            cluster = cluster_from_tf_config()
+            cluster = ClusterSpec.from_tf_config()
+        if not isinstance(cluster, (LocalCluster, ClusterSpec)):
+            raise TypeError(f"cluster must be a LocalCluster, a jaxdist.ClusterSpec or None "
+                            f"(TF_CONFIG), got {type(cluster).__name__}")
         self.cluster = cluster
         self.placement_method = placement
         self.max_shard_bytes, self.num_partitions = max_shard_bytes, num_partitions
-        self.token = token if token is not None else os.environ.get("JAXDIST_PS_TOKEN")
         self.config = ServerConfig(staleness=staleness, sync_replicas=sync_replicas,
                                    max_push_bytes=max_push_bytes, checkpoint_dir=checkpoint_dir,
-                                   checkpoint_every=checkpoint_every)
+                                   checkpoint_every=checkpoint_every, nonfinite=nonfinite)
         self._liveness = dict(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
         self.retry_timeout_s = retry_timeout_s
         self.worker_strategy = worker_strategy
         self.placement: placement_lib.Placement | None = None
-        if isinstance(cluster, LocalCluster):
+        if isinstance(cluster, LocalCluster):  # threads of this process: no network, no token
             self.num_ps, self.num_workers = cluster.num_ps, cluster.num_workers
-            self.role, self.task_index = "coordinator", 0
+            self.role, self.task_index = "chief", 0
+            self.token, self.tls = None, None
         else:
-            self.num_ps, self.num_workers = len(cluster.ps), len(cluster.worker)
-            self.role = getattr(cluster, "task_type", "coordinator")
-            self.task_index = getattr(cluster, "task_index", 0)
+            self.role, self.task_index, self.ps_addresses, self.worker_addresses = (
+                _remote_roles(cluster))
+            self.num_ps, self.num_workers = len(self.ps_addresses), len(self.worker_addresses)
+            self.token = resolve_token(token, authenticate=authenticate)
+            self.tls = tls if tls is not None else TLSConfig.from_env()
         if placement not in placement_lib.METHODS:
             raise ValueError(f"placement={placement!r} is unknown; expected one of "
                              f"{placement_lib.METHODS}")
@@ -170,6 +153,55 @@ class ParameterServerStrategy:
     @property
     def num_replicas_in_sync(self) -> int:
         return self.num_workers
+
+    def step(self, fn: Any, /, *, optimizer: OptimizerSpec | optax.GradientTransformation
+             | None = None, donate: bool = False) -> Any:
+        """A step for :func:`jaxdist.fit`: ``fn`` is the loss, ``fn(params, batch) -> scalar``.
+
+        Workers compute its gradient; servers apply ``optimizer`` (see :mod:`jaxdist.ps.fit`).
+        Passing a step this returned gives it back (``fit`` calls ``strategy.step`` on it).
+
+        Args:
+          fn: the loss function, or a step from this method.
+          optimizer: what servers apply (:func:`jaxdist.ps.optimizer` across processes).
+          donate: ignored (the servers own the parameters).
+
+        Returns:
+          A :class:`jaxdist.ps.fit.PSStep`.
+
+        Raises:
+          ValueError: no ``optimizer`` (also what ``fit(eval_step=...)`` meets: validation
+            inside ``fit`` is not supported with parameter servers).
+
+        >>> import numpy as np, optax, jaxdist
+        >>> s = ParameterServerStrategy(LocalCluster(num_ps=1, num_workers=2))
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32)
+        >>> step = s.step(lambda p, b: ((p["w"] * b[0] - b[1]) ** 2).mean(),
+        ...               optimizer=optax.sgd(0.5))
+        >>> h = jaxdist.fit(step, {"w": np.zeros((), np.float32)}, (x, 3 * x), batch_size=16,
+        ...                 epochs=5, verbose=0)
+        >>> round(float(h.state["w"]), 2), len(h.history["loss"])
+        (3.0, 5)
+        """
+        from jaxdist.ps.fit import PSStep
+        if isinstance(fn, PSStep):
+            return fn
+        if optimizer is None:
+            raise ValueError("ParameterServerStrategy.step(loss_fn, optimizer=...) needs the "
+                             "optimizer the servers apply; an eval_step inside jaxdist.fit is "
+                             "not supported with parameter servers: evaluate history.state "
+                             "afterwards")
+        return PSStep(self, fn, optimizer)
+
+    def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = True,
+                   seed: int = 0) -> Any:
+        """Batches of ``data`` for :func:`jaxdist.fit`: each is one worker step's batch.
+
+        Returns:
+          A :class:`jaxdist.ps.fit.PSDataset`.
+        """
+        from jaxdist.ps.fit import PSDataset
+        return PSDataset(data, global_batch_size, shuffle=shuffle, seed=seed)
 
     def placement_report(self) -> str:
         """Which leaf lives on which server, and each server's load (after :meth:`start`)."""
@@ -227,14 +259,18 @@ class ParameterServerStrategy:
                             "jaxdist.ps.optimizer('adam', learning_rate=...) instead of an "
                             f"optax transformation (got {type(optimizer).__name__})")
         if self.role == "ps":
+            # the largest message is an Init or a Push of this shard: size the limit from it
+            shard = shards[self.task_index]
+            nbytes = sum(int(np.asarray(v).nbytes) for v in shard.values())
             self._serve(PSService(self.task_index, checkpoint_dir=self.config.checkpoint_dir),
-                        self.cluster.ps[self.task_index], PS_SERVICE)
-        clients = [GrpcClient(a, token=self.token) for a in self.cluster.ps]
+                        self.ps_addresses[self.task_index], PS_SERVICE,
+                        max_receive_bytes=min(nbytes, self.config.max_push_bytes) + HEADER_SLACK)
+        clients = [GrpcClient(a, token=self.token, tls=self.tls) for a in self.ps_addresses]
         if self.role == "worker":
             runtime = WorkerRuntime(self.task_index, clients, placement, treedef, grad_fn,
                                     retry_timeout_s=self.retry_timeout_s)
-            self._serve(WorkerService(runtime), self.cluster.worker[self.task_index],
-                        WORKER_SERVICE)
+            self._serve(WorkerService(runtime), self.worker_addresses[self.task_index],
+                        WORKER_SERVICE, max_receive_bytes=HEADER_SLACK)
         return self._start_coordinator(clients, shards, optimizer, placement, treedef)
 
     def _start_local(self, shards, optimizer, placement, treedef, grad_fn):
@@ -247,32 +283,25 @@ class ParameterServerStrategy:
         return ClusterCoordinator(workers, servers=clients, placement=placement,
                                   treedef=treedef, **self._liveness)
 
-    def _serve(self, service, address: str, name: str):
+    def _serve(self, service, address: str, name: str, *, max_receive_bytes: int):
         logger.info("%s %d serving on %s", self.role, self.task_index, address)
-        serve_until_stopped(service, address, name, token=self.token)
+        serve_until_stopped(service, address, name, token=self.token, tls=self.tls,
+                            max_receive_bytes=max_receive_bytes)
         sys.exit(0)
 
     def _start_coordinator(self, clients, shards, optimizer, placement, treedef):
         deadline = time.monotonic() + self.retry_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
         for i, (client, shard) in enumerate(zip(clients, shards)):
-            while True:
-                try:
-                    client.init(i, shard, optimizer, self.config)
-                    break
-                except Unavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
-        workers = [GrpcWorker(i, a, token=self.token) for i, a in enumerate(self.cluster.worker)]
+            retry(lambda _, c=client, i=i, sh=shard: c.init(i, sh, optimizer, self.config),
+                  timeout_s=left(), retry_on=Unavailable)
+        workers = [GrpcWorker(i, a, token=self.token, tls=self.tls)
+                   for i, a in enumerate(self.worker_addresses)]
         for w in workers:
-            while True:
-                try:
-                    w.ping(timeout=2.0)
-                    break
-                except ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            retry(lambda _, w=w: w.ping(timeout=2.0), timeout_s=left(),
+                  retry_on=ConnectionError)
 
         def stop_servers():
             for c in clients:

@@ -1,10 +1,19 @@
 """Transports between workers and parameter servers: in-process calls, or gRPC across processes.
 
 gRPC runs with generic handlers over raw ``bytes`` (no generated code); payloads are
-:mod:`jaxdist.ps.wire` messages. Every call may carry a shared token in the ``x-jaxdist-token``
-metadata; a server started with a token refuses calls without it (``UNAUTHENTICATED``). Handler
-errors map to gRPC status codes and back to the same Python exceptions on the client, so a bad
-push fails that call only and the server keeps serving.
+:mod:`jaxdist.ps.wire` messages. Handler errors map to gRPC status codes and back to the same
+Python exceptions on the client, so a bad push fails that call only and the server keeps serving.
+
+Security model (see README "Parameter servers"):
+
+* every call carries the job's shared token in the ``x-jaxdist-token`` metadata; a server
+  interceptor compares it (constant time) from the call's metadata, before gRPC reads the request
+  body, so an unauthenticated caller cannot make the server buffer a large message;
+* the receive limit is sized from the model where it is known (the shard's bytes plus header
+  slack), and decoding is bounded (:mod:`jaxdist.ps.wire`);
+* with a :class:`TLSConfig` the channel is TLS (grpc's own ``ssl_*_credentials``), so the token
+  and the arrays do not travel in clear text;
+* every wait inside a handler is bounded and ends when the caller cancels.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,18 +31,22 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
+from jaxdist._retry import retry
+from jaxdist.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
-from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerConfig
+from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerConfig, UpdateRecord
 from jaxdist.ps.optim import OptimizerSpec
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
-           "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE"]
+           "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE", "TLSConfig",
+           "Call", "ENV_TOKEN", "resolve_token"]
 
 logger = logging.getLogger(__name__)
 
 PS_SERVICE = "jaxdist.ps.ParameterServer"
+ENV_TOKEN = ENV_PS_TOKEN
 _TOKEN_KEY = "x-jaxdist-token"
-_HEADER_SLACK = 1 << 16
+HEADER_SLACK = 1 << 20
 # Megabyte messages on a fast link: large HTTP/2 frames and a 16 MiB window from the start
 # instead of 64 KiB grown by BDP probing (measured here: 0.67 -> 1.09 GB/s for 2 MiB echoes).
 _HTTP2 = [("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.bdp_probe", 0),
@@ -51,22 +65,159 @@ class _NotReady(Exception):
     pass
 
 
+def resolve_token(token: str | None, *, authenticate: bool = True) -> str | None:
+    """The job's shared token: ``token`` if given, else ``$JAXDIST_PS_TOKEN``.
+
+    Args:
+      token: an explicit token, or None.
+      authenticate: False turns authentication off (returns None); only for a trusted network.
+
+    Returns:
+      The token, or None when ``authenticate`` is False.
+
+    Raises:
+      ValueError: authentication is on and there is no token (or it is empty).
+
+    >>> resolve_token("s3cret")
+    's3cret'
+    >>> resolve_token(None, authenticate=False) is None
+    True
+    """
+    if not authenticate:
+        return None
+    token = token if token is not None else os.environ.get(ENV_TOKEN)
+    if not token:
+        raise ValueError(f"no token for the parameter-server job (token=None and ${ENV_TOKEN} "
+                         "unset or empty). Fix: start the job with `jaxdist launch --ps N "
+                         f"--workers M script.py`, which makes one, or export {ENV_TOKEN} with "
+                         "the same secret on every process (e.g. python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(32))'); authenticate=False turns "
+                         "authentication off on a trusted network")
+    return token
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """TLS for the job's gRPC channels (grpc's own ``ssl_server_credentials`` /
+    ``ssl_channel_credentials``). The files are read from this machine's disk, never named by
+    a peer.
+
+    Attributes:
+      cert_file: PEM certificate chain this process serves with.
+      key_file: PEM private key of ``cert_file``.
+      ca_file: PEM root certificate(s) that sign the peers' certificates.
+      server_name: host name to verify in the peer's certificate instead of the address's host
+        (``grpc.ssl_target_name_override``); None verifies the address's host.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+    def __post_init__(self):
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            if not isinstance(path, str) or not os.path.isfile(path):
+                raise ValueError(f"TLSConfig.{name} = {path!r}: not a readable file. Fix: "
+                                 "point it at a PEM file on this machine")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TLSConfig | None:
+        """Reads ``JAXDIST_PS_TLS_CERT``, ``_KEY``, ``_CA`` (and optional ``_SERVER_NAME``);
+        None when none is set.
+
+        Raises:
+          ValueError: some but not all of the three are set, or a file is missing.
+
+        >>> TLSConfig.from_env({}) is None
+        True
+        """
+        environ = os.environ if environ is None else environ
+        names = ("JAXDIST_PS_TLS_CERT", "JAXDIST_PS_TLS_KEY", "JAXDIST_PS_TLS_CA")
+        got = [environ.get(n) for n in names]
+        if not any(got):
+            return None
+        if not all(got):
+            raise ValueError(f"TLS needs all of {names}; got "
+                             f"{ {n: v for n, v in zip(names, got)} }")
+        return cls(*got, server_name=environ.get("JAXDIST_PS_TLS_SERVER_NAME") or None)
+
+    def _read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self._read(self.key_file),
+                                             self._read(self.cert_file))])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca_file))
+
+
 _TO_CODE = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
-def _wrap(fn: Callable[[bytes], bytes], token: str | None) -> Callable:
+class Call:
+    """What a handler may know about its call: whether the caller is gone, and its deadline."""
+
+    def __init__(self, context: grpc.ServicerContext | None = None):
+        self.cancelled = threading.Event()
+        self._context = context
+        self._hooks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        if context is not None and not context.add_callback(self._terminated):
+            self.cancelled.set()  # the call had already ended
+
+    def _terminated(self) -> None:
+        with self._lock:
+            self.cancelled.set()
+            hooks = list(self._hooks)
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Runs ``hook`` when the call ends (at once if it already has)."""
+        with self._lock:
+            self._hooks.append(hook)
+            done = self.cancelled.is_set()
+        if done:
+            hook()
+
+    def time_remaining(self) -> float | None:
+        return None if self._context is None else self._context.time_remaining()
+
+
+Handler = Callable[[bytes, Call], bytes]
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without the token from their metadata, before the body is received: the
+    refusal is a stream-request handler that never iterates its requests."""
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = dict(handler_call_details.invocation_metadata or ()).get(_TOKEN_KEY, "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got),
+                               self._token):
+            return continuation(handler_call_details)
+
+        def deny(_requests, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: pass the job's shared token "
+                          f"(token= / {ENV_TOKEN}) to every process")
+        return grpc.stream_unary_rpc_method_handler(deny)
+
+
+def _wrap(fn: Handler) -> Callable:
     def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
-        if token is not None:
-            got = dict(context.invocation_metadata()).get(_TOKEN_KEY, "")
-            if not hmac.compare_digest(got.encode(), token.encode()):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                              "missing or wrong token: pass the job's shared token "
-                              "(token= / JAXDIST_PS_TOKEN) to every process")
         try:
-            return fn(request)
+            return fn(request, Call(context))
         except PushRejected as e:
             context.abort(_TO_CODE[e.code], str(e))
         except wire.WireError as e:
@@ -81,37 +232,63 @@ def _wrap(fn: Callable[[bytes], bytes], token: str | None) -> Callable:
     return handler
 
 
-def serve(address: str, service: str, methods: Mapping[str, Callable[[bytes], bytes]], *,
-          token: str | None = None, max_receive_bytes: int = 1 << 30,
+def serve(address: str, service: str, methods: Mapping[str, Handler], *,
+          token: str | None, tls: TLSConfig | None = None,
+          max_receive_bytes: int = (512 << 20) + HEADER_SLACK,
           threads: int = 32) -> tuple[grpc.Server, int]:
-    """Starts a gRPC server for ``methods`` (``name -> fn(bytes) -> bytes``) on ``address``.
+    """Starts a gRPC server for ``methods`` (``name -> fn(request, call) -> bytes``).
+
+    Args:
+      address: ``host:port`` to bind (port 0 picks one).
+      service: the gRPC service name.
+      methods: the handlers.
+      token: calls without this token in their metadata are refused before their body is
+        read; None serves without authentication (logged as a warning).
+      tls: serve TLS with these credentials (None: plaintext).
+      max_receive_bytes: largest request accepted (size it from the model).
+      threads: handler threads.
 
     Returns:
       ``(server, port)``; ``port`` is the bound port (useful with ``"127.0.0.1:0"``).
 
     Raises:
       RuntimeError: the address could not be bound.
+
+    >>> server, port = serve("127.0.0.1:0", "demo.Echo", {"Echo": lambda req, call: req},
+    ...                      token="t")
+    >>> Channel(f"127.0.0.1:{port}", "demo.Echo", token="t").call("Echo", b"hi", timeout=10)
+    b'hi'
+    >>> _ = server.stop(0)
     """
-    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn, token))
+    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn))
                 for name, fn in methods.items()}
+    if token is None:
+        logger.warning("%s on %s serves WITHOUT authentication: any process that can reach "
+                       "the port may call it", service, address)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads),
         handlers=[grpc.method_handlers_generic_handler(service, handlers)],
-        options=[("grpc.max_receive_message_length", max_receive_bytes),
+        interceptors=[_TokenInterceptor(token)] if token is not None else [],
+        options=[("grpc.max_receive_message_length", int(max_receive_bytes)),
                  ("grpc.max_send_message_length", -1),
                  ("grpc.so_reuseport", 0), *_HTTP2])
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}: is another process using the port?")
     server.start()
     return server, port
 
 
-def serve_until_stopped(service: Any, address: str, name: str, *,
-                        token: str | None = None) -> None:
+def serve_until_stopped(service: Any, address: str, name: str, *, token: str | None,
+                        tls: TLSConfig | None = None,
+                        max_receive_bytes: int = (512 << 20) + HEADER_SLACK) -> None:
     """Serves ``service.methods()`` on ``address`` until ``service.stopped`` is set (by the
     coordinator's ``Shutdown`` call)."""
-    server, _ = serve(address, name, service.methods(), token=token)
+    server, _ = serve(address, name, service.methods(), token=token, tls=tls,
+                      max_receive_bytes=max_receive_bytes)
     service.stopped.wait()
     time.sleep(0.2)  # let the Shutdown reply leave before the server stops
     server.stop(grace=1).wait()
@@ -120,18 +297,24 @@ def serve_until_stopped(service: Any, address: str, name: str, *,
 class Channel:
     """A client channel that sends bytes to ``/service/method`` and maps errors to exceptions."""
 
-    def __init__(self, address: str, service: str, *, token: str | None = None):
+    def __init__(self, address: str, service: str, *, token: str | None = None,
+                 tls: TLSConfig | None = None):
         self.address = address
         self._service = service
         self._metadata = ((_TOKEN_KEY, token),) if token is not None else ()
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", -1),
-                              ("grpc.max_send_message_length", -1),
-                              # a restarted peer is back within a second, not after gRPC's
-                              # default exponential backoff (up to 2 minutes)
-                              ("grpc.initial_reconnect_backoff_ms", 100),
-                              ("grpc.min_reconnect_backoff_ms", 100),
-                              ("grpc.max_reconnect_backoff_ms", 1000), *_HTTP2])
+        options = [("grpc.max_receive_message_length", -1),
+                   ("grpc.max_send_message_length", -1),
+                   # a restarted peer is back within a second, not after gRPC's
+                   # default exponential backoff (up to 2 minutes)
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), *_HTTP2]
+        if tls is not None:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, tls.channel_credentials(), options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stubs: dict[str, Any] = {}
 
     def _stub(self, method: str):
@@ -171,8 +354,12 @@ def _error(e: grpc.RpcError, where: str) -> Exception:
     return RuntimeError(f"{msg} ({code.name})")
 
 
+class _Busy(Exception):
+    pass
+
+
 class ServerClient(Protocol):
-    """What a worker needs from one parameter server."""
+    """What a worker (and the coordinator) needs from one parameter server."""
 
     def pull(self, *, min_version: int | None = None,
              timeout: float | None = None) -> tuple[int, dict[str, Any]]: ...
@@ -181,6 +368,8 @@ class ServerClient(Protocol):
              grads: Mapping[str, Any]) -> PushResult: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def log(self) -> list[UpdateRecord]: ...
 
 
 class LocalClient:
@@ -198,19 +387,38 @@ class LocalClient:
     def status(self):
         return self.server.status()
 
+    def log(self):
+        return list(self.server.log)
+
 
 class GrpcClient:
     """Client of one remote parameter server (see :class:`PSService`)."""
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = 60.0):
-        self._ch = Channel(address, PS_SERVICE, token=token)
+    def __init__(self, address: str, *, token: str | None = None, timeout: float = 60.0,
+                 tls: TLSConfig | None = None):
+        self._ch = Channel(address, PS_SERVICE, token=token, tls=tls)
         self.address = address
         self.timeout = timeout
 
     def pull(self, *, min_version=None, timeout=None):
-        wait = timeout if timeout is not None else self.timeout
-        reply = self._ch.call("Pull", wire.encode({"min_version": min_version, "timeout": wait}),
-                              timeout=wait + self.timeout)
+        if min_version is None:
+            reply = self._ch.call("Pull", wire.encode({}), timeout=self.timeout)
+        else:
+            def attempt(left: float) -> bytes:
+                try:
+                    return self._ch.call("Pull", wire.encode(
+                        {"min_version": min_version, "timeout": left}),
+                        timeout=left + self.timeout)
+                except PushRejected as e:
+                    if e.code == "resource_exhausted":  # too many waiters there: back off
+                        raise _Busy(str(e)) from None
+                    raise
+            # the server bounds each wait (ServerConfig.max_wait_s); keep asking until ours ends
+            try:
+                reply = retry(attempt, timeout_s=timeout if timeout is not None else self.timeout,
+                              retry_on=(_Busy, TimeoutError), max_delay_s=0.5)
+            except _Busy as e:
+                raise TimeoutError(f"{e} (still busy when the wait of {timeout}s ended)") from None
         header, arrays = wire.decode(reply)
         return header["version"], arrays
 
@@ -224,14 +432,16 @@ class GrpcClient:
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return wire.decode(self._ch.call("Status", b"", timeout=timeout or self.timeout))[0]
 
-    def log(self) -> list[tuple[int, int, int, int]]:
+    def log(self) -> list[UpdateRecord]:
         _, arrays = wire.decode(self._ch.call("Log", b"", timeout=self.timeout))
-        return [tuple(map(int, r)) for r in arrays["log"]]
+        return [UpdateRecord(*map(int, r)) for r in arrays["log"]]
 
     def init(self, index: int, params: Mapping[str, Any], optimizer: OptimizerSpec,
              config: ServerConfig) -> dict[str, Any]:
+        # where a server keeps its checkpoint is the server's own choice (its command line)
+        remote_config = {k: v for k, v in config.to_dict().items() if k != "checkpoint_dir"}
         reply = self._ch.call("Init", wire.encode(
-            {"index": index, "optimizer": optimizer.to_dict(), "config": config.to_dict()},
+            {"index": index, "optimizer": optimizer.to_dict(), "config": remote_config},
             params), timeout=self.timeout)
         return wire.decode(reply)[0]
 
@@ -242,12 +452,20 @@ class GrpcClient:
         self._ch.close()
 
 
+# what a remote Init may set; checkpoint_dir is not among them (no peer picks a path here)
+_REMOTE_CONFIG = frozenset(f.name for f in dataclasses.fields(ServerConfig)) - {"checkpoint_dir"}
+# ...and the waiting limits it may not raise past what keeps handler threads free (serve()
+# runs 32: at most 24 may wait) or make a wait unbounded in practice
+_MAX_WAITERS, _MAX_WAIT_S = 24, 300.0
+
+
 class PSService:
     """The gRPC face of one parameter-server process.
 
     The process starts empty; the coordinator's ``Init`` creates the shard (or, when a checkpoint
     of this index exists in ``checkpoint_dir``, the server restores from it at start-up and
-    ``Init`` only checks that the keys match).
+    ``Init`` only checks that the keys match). ``checkpoint_dir`` is this process's option; an
+    ``Init`` naming one is refused.
     """
 
     def __init__(self, index: int, *, checkpoint_dir: str | None = None):
@@ -259,7 +477,7 @@ class PSService:
         if checkpoint_dir:
             self.server = ParameterServer.restore(checkpoint_dir, index)
 
-    def methods(self) -> dict[str, Callable[[bytes], bytes]]:
+    def methods(self) -> dict[str, Handler]:
         return {"Init": self.init, "Pull": self.pull, "Push": self.push,
                 "Status": self.status, "Log": self.log, "Shutdown": self.shutdown}
 
@@ -275,19 +493,28 @@ class PSService:
                             "incarnation": result.incarnation,
                             "restored_version": result.restored_version})
 
-    def init(self, request: bytes) -> bytes:
+    def init(self, request: bytes, call: Call | None = None) -> bytes:
         header, params = wire.decode(request)
-        if header["index"] != self.index:
-            raise PushRejected(f"Init for ps{header['index']} reached ps{self.index}: the "
+        if header.get("index") != self.index:
+            raise PushRejected(f"Init for ps{header.get('index')} reached ps{self.index}: the "
                                "cluster's ps address list differs between processes")
+        config = header.get("config")
+        if not isinstance(config, dict) or not set(config) <= _REMOTE_CONFIG:
+            raise PushRejected(f"Init config must be a map of {sorted(_REMOTE_CONFIG)}; got "
+                               f"{sorted(config) if isinstance(config, dict) else config!r} "
+                               "(a server's checkpoint_dir is set on its own command line)")
         with self._lock:
             if self.server is None:
-                config = dict(header["config"])
-                if self.checkpoint_dir:
-                    config["checkpoint_dir"] = self.checkpoint_dir
+                try:
+                    cfg = ServerConfig(**config, checkpoint_dir=self.checkpoint_dir)
+                    cfg = dataclasses.replace(
+                        cfg, max_waiters=min(cfg.max_waiters, _MAX_WAITERS),
+                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S))
+                    opt = OptimizerSpec.from_dict(header.get("optimizer"))
+                except (TypeError, ValueError, KeyError, AttributeError) as e:
+                    raise PushRejected(f"Init: bad config or optimizer: {e!r}") from None
                 self.server = ParameterServer(
-                    self.index, {k: v.copy() for k, v in params.items()},
-                    OptimizerSpec.from_dict(header["optimizer"]), ServerConfig(**config))
+                    self.index, {k: v.copy() for k, v in params.items()}, opt, cfg)
             else:
                 want = {k: [v.dtype.name, list(v.shape)] for k, v in params.items()}
                 if self.server.status()["keys"] != want:
@@ -295,16 +522,28 @@ class PSService:
                                        f"{self.server.status()['keys']}, not {want}")
         return wire.encode(self.server.status())
 
-    def pull(self, request: bytes) -> bytes:
+    def pull(self, request: bytes, call: Call | None = None) -> bytes:
         h, _ = wire.decode(request)
         server = self._ready()
-        version, params = server.pull(min_version=h.get("min_version"), timeout=h.get("timeout"))
+        timeout = h.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))):
+            raise PushRejected(f"Pull timeout must be a number of seconds, got {timeout!r}")
+        cancelled = None
+        if call is not None:
+            cancelled = call.cancelled
+            call.on_cancel(server.wake)
+            left = call.time_remaining()
+            if left is not None:
+                timeout = left if timeout is None else min(timeout, left)
+        version, params = server.pull(min_version=h.get("min_version"), timeout=timeout,
+                                      cancelled=cancelled)
         return wire.encode({"version": version, "incarnation": server.incarnation,
                             "restored_version": server.restored_version}, params)
 
-    def push(self, request: bytes) -> bytes:
+    def push(self, request: bytes, call: Call | None = None) -> bytes:
         server = self._ready()
-        if len(request) > server.config.max_push_bytes + _HEADER_SLACK:
+        if len(request) > server.config.max_push_bytes + HEADER_SLACK:
             raise PushRejected(f"push of {len(request)} bytes exceeds ps{self.index}'s limit of "
                                f"{server.config.max_push_bytes} (ServerConfig.max_push_bytes)",
                                "resource_exhausted")
@@ -312,13 +551,13 @@ class PSService:
         return self._reply(server.push(worker=h.get("worker"), step_id=h.get("step_id"),
                                        version=h.get("version"), grads=grads))
 
-    def status(self, request: bytes) -> bytes:
+    def status(self, request: bytes, call: Call | None = None) -> bytes:
         return wire.encode(self._ready().status())
 
-    def log(self, request: bytes) -> bytes:
+    def log(self, request: bytes, call: Call | None = None) -> bytes:
         rows = [dataclasses.astuple(r) for r in self._ready().log]
         return wire.encode({}, {"log": np.array(rows, np.int64).reshape(-1, 4)})
 
-    def shutdown(self, request: bytes) -> bytes:
+    def shutdown(self, request: bytes, call: Call | None = None) -> bytes:
         self.stopped.set()
         return b""

@@ -9,10 +9,17 @@ one ``[key, dtype, shape, offset, nbytes]`` entry per array. Decoding never runs
 (no ``pickle``): dtypes come from a fixed allow-list and every offset is bounds-checked, and arrays
 are returned as read-only ``np.frombuffer`` views into the message, so a pull copies no array bytes
 in Python. Encoding copies each array once, in C, into the single ``bytes`` gRPC needs.
+
+Decoding is strict, because the bytes come from the network: the header is at most
+``max_header_bytes`` and may build at most ``max_objects`` maps and lists (a megabyte of empty
+msgpack maps would otherwise become a gigabyte of Python dicts); a map may not repeat a key;
+dimensions, offsets and sizes are plain integers; the arrays tile the body exactly, in order, with
+no bytes before, between or after them.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -21,9 +28,12 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-__all__ = ["WireError", "encode", "decode", "ALLOWED_DTYPES"]
+__all__ = ["WireError", "encode", "decode", "ALLOWED_DTYPES", "MAX_HEADER_BYTES", "MAX_OBJECTS"]
 
 _LEN = struct.Struct("<I")
+# A header describes a few thousand arrays at most (about 40 bytes and 2 lists each).
+MAX_HEADER_BYTES = 4 << 20
+MAX_OBJECTS = 200_000
 
 # Only plain numeric dtypes may cross the wire: an object dtype in np.frombuffer would read
 # pointers out of untrusted bytes.
@@ -85,51 +95,104 @@ def encode(header: Mapping[str, Any], arrays: Mapping[str, Any] | None = None) -
     return b"".join([_LEN.pack(len(head)), head, *buffers])
 
 
-def decode(message: bytes | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Budget:
+    """msgpack hooks that refuse repeated keys and count containers against a budget."""
+
+    def __init__(self, max_objects: int):
+        self.left = max_objects
+
+    def _spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise WireError("header builds too many maps and lists (limit MAX_OBJECTS); "
+                            "is it a decompression bomb?")
+
+    def map(self, pairs: list) -> dict:
+        self._spend()
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise WireError(f"header map repeats the key {dup!r}")
+        return out
+
+    def list(self, items: list) -> list:
+        self._spend()
+        return items
+
+
+def decode(message: bytes | memoryview, *, max_header_bytes: int = MAX_HEADER_BYTES,
+           max_objects: int = MAX_OBJECTS) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Decodes a message into its header and read-only array views.
 
     Args:
       message: bytes produced by :func:`encode`.
+      max_header_bytes: refuse a longer msgpack header.
+      max_objects: refuse a header that builds more maps and lists than this.
 
     Returns:
       ``(header, arrays)``; ``arrays`` maps names to read-only numpy views into ``message``.
 
     Raises:
-      WireError: the message is truncated, its header is not a msgpack map, an array entry is
-        malformed, uses a dtype outside ``ALLOWED_DTYPES``, or points outside the message.
+      WireError: the message is truncated or has trailing bytes, its header is too long, builds
+        too many objects, repeats a key or is not a msgpack map, an array entry is malformed
+        (a dimension, offset or size that is not a non-negative int), uses a dtype outside
+        ``ALLOWED_DTYPES``, or the arrays do not tile the body exactly.
+
+    >>> decode(encode({"a": 1}) + b"x")
+    Traceback (most recent call last):
+    ...
+    jaxdist.ps.wire.WireError: 1 trailing byte(s) after the last array (body of 1 bytes, arrays end at 0)
     """
     view = memoryview(message)
     if len(view) < _LEN.size:
         raise WireError(f"message of {len(view)} bytes is shorter than its {_LEN.size}-byte prefix")
     (hlen,) = _LEN.unpack_from(view)
+    if hlen > max_header_bytes:
+        raise WireError(f"header of {hlen} bytes exceeds the limit of {max_header_bytes}")
     body_start = _LEN.size + hlen
     if body_start > len(view):
         raise WireError(f"header length {hlen} runs past the end of a {len(view)}-byte message")
+    budget = _Budget(max_objects)
     try:
-        header = msgpack.unpackb(view[_LEN.size:body_start], raw=False, strict_map_key=True)
+        header = msgpack.unpackb(view[_LEN.size:body_start], raw=False, strict_map_key=True,
+                                 object_pairs_hook=budget.map, list_hook=budget.list)
+    except WireError:
+        raise
     except Exception as e:  # msgpack raises several unrelated types
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("arrays", []), list):
         raise WireError(f"header must be a map with an 'arrays' list, got {type(header).__name__}")
     body = view[body_start:]
     arrays: dict[str, np.ndarray] = {}
+    end = 0
     for entry in header.pop("arrays", []):
-        try:
-            key, dtype_name, shape, offset, nbytes = entry
-            shape = tuple(int(d) for d in shape)
-            offset, nbytes = int(offset), int(nbytes)
-        except (TypeError, ValueError):
-            raise WireError(f"malformed array entry {entry!r}; expected "
-                            "[key, dtype, shape, offset, nbytes]") from None
+        if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
+                and isinstance(entry[2], list) and all(map(_is_int, entry[2]))
+                and _is_int(entry[3]) and _is_int(entry[4])):
+            raise WireError(f"malformed array entry {entry!r}; expected [key: str, dtype: str, "
+                            "shape: [int, ...], offset: int, nbytes: int]")
+        key, dtype_name, shape, offset, nbytes = entry
         dtype = ALLOWED_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise WireError(f"array {key!r} has dtype {dtype_name!r}; "
                             f"expected one of {sorted(ALLOWED_DTYPES)}")
-        if any(d < 0 for d in shape) or int(np.prod(shape)) * dtype.itemsize != nbytes:
+        if key in arrays:
+            raise WireError(f"array {key!r} appears twice")
+        # math.prod on Python ints cannot overflow, unlike np.prod on int64
+        if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
             raise WireError(f"array {key!r}: shape {shape} of {dtype_name} does not hold "
                             f"{nbytes} bytes")
-        if offset < 0 or offset + nbytes > len(body):
+        if offset != end or offset + nbytes > len(body):
             raise WireError(f"array {key!r} spans bytes [{offset}, {offset + nbytes}) of a "
-                            f"{len(body)}-byte body")
-        arrays[str(key)] = np.frombuffer(body[offset:offset + nbytes], dtype=dtype).reshape(shape)
+                            f"{len(body)}-byte body; expected it to start at {end} and fit")
+        end = offset + nbytes
+        arrays[key] = np.frombuffer(body[offset:end], dtype=dtype).reshape(shape)
+    if end != len(body):
+        raise WireError(f"{len(body) - end} trailing byte(s) after the last array (body of "
+                        f"{len(body)} bytes, arrays end at {end})")
     return header, arrays

@@ -19,12 +19,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._retry import retry
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
 from jaxdist.ps.server import PushRejected
 from jaxdist.ps.transport import ServerClient, Unavailable
 
-__all__ = ["WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
+__all__ = ["AckBook", "WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
            "WORKER_SERVICE", "to_plain"]
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,41 @@ def to_plain(x: Any) -> Any:
     return x
 
 
+class AckBook:
+    """Which versions each server acknowledged, per server incarnation: the bookkeeping workers
+    keep and the coordinator merges to count updates lost to a server restart.
+
+    >>> book = AckBook()
+    >>> book.add(0, 111, -1, 57); book.add(0, 222, 40, 90)
+    >>> book.lost_updates()
+    {0: 17}
+    """
+
+    def __init__(self):
+        # shard -> {server incarnation: [restored version, highest acknowledged version]}
+        self._seen: dict[int, dict[int, list[int]]] = {}
+
+    def add(self, shard: int, incarnation: int, restored: int, version: int) -> None:
+        seen = self._seen.setdefault(shard, {}).setdefault(incarnation, [restored, version])
+        seen[1] = max(seen[1], version)
+
+    def rows(self) -> list[list[int]]:
+        """``[shard, incarnation, restored version, highest acknowledged version]`` rows."""
+        return [[s, inc, r, v] for s, by_inc in self._seen.items()
+                for inc, (r, v) in by_inc.items()]
+
+    def lost_updates(self) -> dict[int, int]:
+        """Per shard: for every restart, the highest version acknowledged before it minus the
+        version the server was restored from."""
+        out = {}
+        for shard, by_inc in self._seen.items():
+            # one [restored version, highest ack] per incarnation; restores only move forward
+            # in time, and the fresh start (-1) comes first
+            runs = sorted(by_inc.values())
+            out[shard] = sum(max(0, prev[1] - cur[0]) for prev, cur in zip(runs, runs[1:]))
+        return out
+
+
 class WorkerRuntime:
     """One worker: its server clients, the placement, the gradient function and its datasets.
 
@@ -140,8 +176,7 @@ class WorkerRuntime:
         self.max_stale_retries = max_stale_retries
         self.sync_timeout_s = sync_timeout_s
         self.datasets: dict[int, Any] = {}
-        # shard -> {server incarnation: [restored version, highest acknowledged version]}
-        self.acks: dict[int, dict[int, list[int]]] = {}
+        self.acks = AckBook()
         self.stale_retries = 0
         self._closure_id = 0
         self._k = 0
@@ -155,16 +190,8 @@ class WorkerRuntime:
     def _each(self, fn: Callable[[int], Any], shards: Sequence[int]) -> dict[int, Any]:
         """Runs ``fn(shard)`` for each shard, in parallel, retrying while a server is down."""
         def retrying(shard):
-            deadline = time.monotonic() + self.retry_timeout_s
-            delay = 0.05
-            while True:
-                try:
-                    return fn(shard)
-                except Unavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+            return retry(lambda _left: fn(shard), timeout_s=self.retry_timeout_s,
+                         retry_on=Unavailable)
         if len(shards) == 1:
             return {shards[0]: retrying(shards[0])}
         return dict(zip(shards, self._pool.map(retrying, shards)))
@@ -181,14 +208,11 @@ class WorkerRuntime:
         return versions, placement_lib.unflatten(self.treedef, flat)
 
     def _ack(self, shard: int, result) -> None:
-        seen = self.acks.setdefault(shard, {}).setdefault(
-            result.incarnation, [result.restored_version, result.version])
-        seen[1] = max(seen[1], result.version)
+        self.acks.add(shard, result.incarnation, result.restored_version, result.version)
 
     def ack_rows(self) -> list[list[int]]:
         """``[shard, incarnation, restored version, highest acknowledged version]`` rows."""
-        return [[s, inc, r, v] for s, by_inc in self.acks.items()
-                for inc, (r, v) in by_inc.items()]
+        return self.acks.rows()
 
     def step(self, batch: Any) -> float:
         """One training step: pull, compute gradients, push them to every shard.
@@ -266,7 +290,7 @@ class WorkerService:
             out.append(a)
         return out
 
-    def run(self, request: bytes) -> bytes:
+    def run(self, request: bytes, call: Any = None) -> bytes:
         h, _ = wire.decode(request)
         fn = resolve(h["name"])
         with self._lock:
@@ -280,7 +304,7 @@ class WorkerService:
         result["acks"] = self.runtime.ack_rows()
         return wire.encode(result)
 
-    def create_dataset(self, request: bytes) -> bytes:
+    def create_dataset(self, request: bytes, call: Any = None) -> bytes:
         h, _ = wire.decode(request)
         fn = resolve(h["name"])
         self.runtime.num_workers = int(h["num_workers"])
@@ -288,9 +312,9 @@ class WorkerService:
                                                           int(h["num_workers"])))
         return b""
 
-    def heartbeat(self, request: bytes) -> bytes:
+    def heartbeat(self, request: bytes, call: Any = None) -> bytes:
         return wire.encode({"incarnation": self.incarnation, "index": self.runtime.index})
 
-    def shutdown(self, request: bytes) -> bytes:
+    def shutdown(self, request: bytes, call: Any = None) -> bytes:
         self.stopped.set()
         return b""

@@ -2,10 +2,11 @@
 import sys
 
 import jaxdist.cluster as cluster
+import jaxdist.runtime as runtime
 
 process_id, port = int(sys.argv[1]), int(sys.argv[2])
 try:
-    cluster.initialize(cluster.ClusterSpec(f"127.0.0.1:{port}", 2, process_id), timeout_s=3)
+    runtime.initialize(cluster.ClusterSpec(f"127.0.0.1:{port}", 2, process_id), timeout_s=3)
 except cluster.CoordinatorTimeoutError as e:
     print(f"CoordinatorTimeoutError: {e}")
     sys.exit(2)

@@ -3,16 +3,17 @@
 import numpy as np
 
 import jaxdist.cluster as cluster
+import jaxdist.runtime as runtime
 
-spec = cluster.initialize(timeout_s=60)  # from JAXDIST_* (the launcher) or JAX's detection
+spec = runtime.initialize(timeout_s=60)  # from JAXDIST_* (the launcher) or JAX's detection
 print(f"spec {spec.coordinator_address} {spec.num_processes} {spec.process_id}")
 
 import jax  # noqa: E402  (the backend must start after initialize)
 
 me = jax.process_index()
-assert cluster.initialize() is spec, "a second initialize() must be a no-op"
+assert runtime.initialize() is spec, "a second initialize() must be a no-op"
 try:
-    cluster.initialize(cluster.ClusterSpec("127.0.0.1:1", 2, 1 - me))
+    runtime.initialize(cluster.ClusterSpec("127.0.0.1:1", 2, 1 - me))
 except RuntimeError as e:
     print("conflict:", e)
 
@@ -24,16 +25,16 @@ total = jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=jax
 print(f"process {me}/{jax.process_count()} devices={jax.device_count()} "
       f"psum={float(np.asarray(total.addressable_data(0))[0])}")
 
-cluster.barrier("after-psum", timeout_s=30)
+runtime.barrier("after-psum", timeout_s=30)
 if me == 0:
     try:
-        cluster.barrier("only-process-0", timeout_s=2)
+        runtime.barrier("only-process-0", timeout_s=2)
     except cluster.BarrierTimeoutError as e:
         print(f"missing={list(e.missing)} message: {e}")
-cluster.barrier("solo", timeout_s=30, process_ids=[me])  # a subset of one: no waiting
+runtime.barrier("solo", timeout_s=30, process_ids=[me])  # a subset of one: no waiting
 try:
-    cluster.barrier("pair", process_ids=[1 - me])
+    runtime.barrier("pair", process_ids=[1 - me])
 except ValueError as e:
     print("subset:", e)
-cluster.barrier("done", timeout_s=30)
+runtime.barrier("done", timeout_s=30)
 print(f"process {me} finished")

@@ -1,6 +1,6 @@
 """Digits MLP pieces shared by the parameter-server tests, and a multi-process job script.
 
-Run by every process of a job (``python -m jaxdist.ps.cli --role worker ... digits_job.py``):
+Run by every process of a job (``jaxdist launch --ps 2 --workers 3 digits_job.py ...``):
 the coordinator trains for ``--steps`` closures and writes a JSON summary to ``--out``.
 """
 
