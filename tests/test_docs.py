@@ -18,8 +18,8 @@ PATH = re.compile(r"(?<![\w/.-])((?:examples|notebooks|tests|benchmarks|jaxdist)
                   r"\.(?:py|md|ipynb|sh|sbatch|yaml|json|txt)|[A-Za-z_][\w-]*\.md)(?![\w/-])")
 # Names that are not repository files (examples of user paths in prose).
 NOT_REPO_FILES = {"benchmarks/NAME.py"}  # a placeholder in `jaxdist bench` help
-# Known stale references in files another branch owns (left for that branch; see the notes).
-KNOWN_STALE = {("jaxdist/ps/strategy.py", "API.md")}
+# Known stale references (none left; an entry is (file, name)).
+KNOWN_STALE: set[tuple[str, str]] = set()
 
 
 def _sources():

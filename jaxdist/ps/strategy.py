@@ -147,7 +147,7 @@ class ParameterServerStrategy:
 
     @property
     def mesh(self) -> None:
-        """None: parameters live on server processes, not on a device mesh (API.md)."""
+        """None: parameters live on server processes, not on a device mesh."""
         return None
 
     @property
