@@ -86,7 +86,8 @@ def test_cnn_on_mnist_idx_files_written_from_digits(tmp_path):
 
 
 # Examples whose smoke test lives next to the feature they show (not repeated here).
-TESTED_ELSEWHERE = {"multi_worker.py": "test_multi_worker.py"}  # under jaxdist launch, 2 x 2
+TESTED_ELSEWHERE = {"multi_worker.py": "test_multi_worker.py",  # under jaxdist launch, 2 x 2
+                    "mixed_precision.py": "test_precision.py"}
 
 
 def test_every_example_is_listed_in_examples_readme_and_smoke_tested():
@@ -96,6 +97,6 @@ def test_every_example_is_listed_in_examples_readme_and_smoke_tested():
         assert f"`python examples/{name}" in readme or f"examples/{name}`" in readme, name
         if name in TESTED_ELSEWHERE:
             other = open(os.path.join(REPO, "tests", TESTED_ELSEWHERE[name])).read()
-            assert f'"examples", "{name}"' in other, name
+            assert f'"examples", "{name}"' in other or f'"examples/{name}"' in other, name
         else:
             assert f'"examples/{name}"' in tests, f"{name} has no smoke test"
