@@ -27,7 +27,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 jaxdist.barrier("probe", timeout_s=60)
 gathered = multihost_utils.process_allgather(jnp.array([jax.process_index()]), tiled=True)
-print(json.dumps({
+# One write of the whole line: under a stand-in `srun` both processes share one stdout pipe, and
+# print() writes the text and its newline separately, so two reports could interleave.
+sys.stdout.write(json.dumps({
     "from_environment": None if environment_spec is None else {
         "coordinator": environment_spec.coordinator_address,
         "num_processes": environment_spec.num_processes,
@@ -38,4 +40,5 @@ print(json.dumps({
     "global_devices": jax.device_count(), "gathered": [int(v) for v in gathered],
     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
-}), flush=True)
+}) + "\n")
+sys.stdout.flush()
