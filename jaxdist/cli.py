@@ -98,6 +98,16 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_parser(sub) -> None:
+    from jaxdist import plan
+
+    p = sub.add_parser("plan", help="predict step time and scaling efficiency on N hosts x M devices",
+                       description="Predict data-parallel step time and scaling efficiency from a "
+                                   "model's gradient bytes and one device's step time, and "
+                                   "recommend cross_device_ops, pack_bytes and a global batch.")
+    plan.add_arguments(p)
+
+
 def bench(argv: list[str]) -> int:
     """``jaxdist bench NAME [args]``: runs ``benchmarks/NAME.py`` of the source checkout."""
     import os
@@ -146,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxdist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _plan_parser(sub)
     sub.add_parser("launch", help="run a script as N local processes (jaxdist launch -h)")
     sub.add_parser("ps", help="run a parameter-server role (jaxdist ps -h)")
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (jaxdist bench -h)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "plan":
+        from jaxdist import plan
+
+        print(plan.run_cli(args))
+        return 0
     return train(args)
 
 
