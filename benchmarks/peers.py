@@ -127,24 +127,27 @@ def _jax_worker(args, x, y):
         else:
             def fn(state, batch):
                 return strategy.run(replica_step, args=(state, jaxdist.Batch(batch, None)))
-    else:  # fit: the input pipeline is part of what it costs
-        step = strategy.step(train_step)
-        xs = [bt[0] for bt in batches] * (args.steps // n4 + 1)
-        ys = [bt[1] for bt in batches] * (args.steps // n4 + 1)
+    else:  # fit: one long fit call, an epoch per window, the input pipeline included
         import numpy as np
 
-        dataset = strategy.distribute((np.concatenate(xs)[:args.steps * b],
-                                       np.concatenate(ys)[:args.steps * b]), b)
-        holder = [state]
+        step = strategy.step(train_step)
+        reps = args.steps // n4 + 1
+        dataset = strategy.distribute((np.concatenate([x] * reps)[:args.steps * b],
+                                       np.concatenate([y] * reps)[:args.steps * b]), b)
 
-        def window():
-            holder[0] = jaxdist.fit(step, holder[0], dataset, epochs=1, verbose=0).state
-            jax.block_until_ready(holder[0])
-        return window
+        class Pace(jaxdist.callbacks.Callback):
+            def on_epoch_begin(self, info):
+                self.t0 = time.perf_counter()
+
+            def on_epoch_end(self, info):
+                jax.block_until_ready(info.state)
+                info.stop_training = not _report_and_wait(info.epoch, self.t0)
+
+        return lambda: jaxdist.fit(step, state, dataset, epochs=10**6, verbose=0, callbacks=[Pace()])
 
     holder = [state]
 
-    def window():
+    def window():  # one window of steps; the loop's own steps do the waiting
         s, m = holder[0], None
         for i in range(args.steps):
             s, m = fn(s, placed[i % n4])
@@ -164,16 +167,26 @@ def _keras_layers(keras, model: str):
             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
 
 
-def _keras_fit_window(keras, net, args, x, y):
+def _keras_fit(keras, net, args, x, y):
+    """Keras `fit` for 10**6 epochs of `args.steps` steps; each epoch is one timed window."""
+    import numpy as np
+
     net.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     reps = args.steps // 4 + 1
-    xw = __import__("numpy").concatenate([x] * reps)[:args.steps * args.batch]
-    yw = __import__("numpy").concatenate([y] * reps)[:args.steps * args.batch]
+    xw = np.concatenate([x] * reps)[:args.steps * args.batch]
+    yw = np.concatenate([y] * reps)[:args.steps * args.batch]
 
-    def window():
-        net.fit(xw, yw, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
-    return window
+    class Pace(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            float((logs or {}).get("loss", 0.0))  # the epoch's results are on the host
+            self.model.stop_training = not _report_and_wait(epoch, self.t0)
+
+    return lambda: net.fit(xw, yw, batch_size=args.batch, epochs=10**6, shuffle=False, verbose=0,
+                           callbacks=[Pace()])
 
 
 def _keras_worker(args, x, y):
@@ -185,7 +198,7 @@ def _keras_worker(args, x, y):
 
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:args.devices]))
-    return _keras_fit_window(keras, keras.Sequential(_keras_layers(keras, args.model)), args, x, y)
+    return _keras_fit(keras, keras.Sequential(_keras_layers(keras, args.model)), args, x, y)
 
 
 def _tf_worker(args, x, y):
@@ -201,7 +214,7 @@ def _tf_worker(args, x, y):
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.devices)])
     with strategy.scope():
         net = keras.Sequential(_keras_layers(keras, args.model))
-        return _keras_fit_window(keras, net, args, x, y)
+        return _keras_fit(keras, net, args, x, y)
 
 
 def _torch_worker(args, x, y):
@@ -240,8 +253,18 @@ def _torch_worker(args, x, y):
     return window
 
 
+def _report_and_wait(epoch: int, t0: float) -> bool:
+    """At a fit epoch's end: READY after the warm-up epoch, else its TIME; then the next command."""
+    print("READY" if epoch == 0 else f"TIME {time.perf_counter() - t0:.6f}", flush=True)
+    return sys.stdin.readline().strip() == "run"
+
+
 def worker_main(args) -> int:
-    """One peer in this process: set up, warm up, then time one window per "run" line on stdin."""
+    """One peer in this process: set up, warm up, then time one window per "run" line on stdin.
+
+    Loops are timed around a window of steps; `fit`-style peers run one long `fit` and time each
+    epoch (of `--steps` steps) from a callback that waits for the next command at the epoch's end.
+    """
     if args.peer != "torch_ddp" and args.procs > 1:
         os.environ.update(JAXDIST_COORDINATOR=f"127.0.0.1:{args.port}",
                           JAXDIST_NUM_PROCESSES=str(args.procs), JAXDIST_PROCESS_ID=str(args.rank))
@@ -251,6 +274,9 @@ def worker_main(args) -> int:
     make = {"tf_mirrored": _tf_worker, "keras_dp": _keras_worker,
             "torch_ddp": _torch_worker}.get(args.peer, _jax_worker)
     window = make(args, x, y)
+    if args.peer in ("fit", "tf_mirrored", "keras_dp"):
+        window()  # runs until told to stop
+        return 0
     window()  # compile and warm up
     print("READY", flush=True)
     for line in sys.stdin:
@@ -480,10 +506,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: MLP, 1 and 8 devices, short windows, 2 rounds")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--layouts", default=None, help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (5)")
     ap.add_argument("--steps", type=int, default=None, help="steps per window (MLP 64, CNN 16)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (512; 128 on 2x1)")
     ap.add_argument("--setup-timeout", type=float, default=600)
@@ -500,10 +526,12 @@ def main(argv=None) -> int:
     if args.worker:
         args.peer = args.worker
         return worker_main(args)
-    if args.quick:
-        args.models, args.layouts = "mlp", "1,8"
-        args.rounds, args.steps, args.batch = 2, args.steps or 8, args.batch or 128
+    if args.quick:  # explicit options still win
+        args.models, args.layouts = args.models or "mlp", args.layouts or "1,8"
+        args.rounds, args.steps, args.batch = args.rounds or 2, args.steps or 8, args.batch or 128
         args.keras_probe_steps = 0
+    args.models, args.layouts = args.models or ",".join(MODELS), args.layouts or ",".join(LAYOUTS)
+    args.rounds = args.rounds or 5
     if args.log_dir is None:
         import tempfile
 
