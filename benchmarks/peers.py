@@ -567,6 +567,8 @@ def main(argv=None) -> int:
                 f"`python benchmarks/peers.py {' '.join(argv if argv is not None else sys.argv[1:])}`)")
     report = "\n".join(text)
     print("\n" + report)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out or args.log_dir, "peers.png")
     print(chart(results, peers, png))
     if args.out:

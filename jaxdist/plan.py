@@ -42,6 +42,11 @@ ALGORITHMS = ("ring", "tree", "hierarchical", "one_device")
 class Link:
     """One level of interconnect: per-message latency (s) and per-device bandwidth (bytes/s, one way).
 
+    ``sync_s`` is paid once per step when a step's collectives span this link: starting a program
+    whose first collective must wait for every participant (dispatch, and across processes the
+    first rendezvous). Negligible for NCCL/ICI; milliseconds between CPU processes (measured by
+    `measure_allreduce`).
+
     >>> round(Link("example", latency_s=1e-5, bandwidth=1e9).transfer_s(1e6), 8)
     0.00101
     """
@@ -50,9 +55,10 @@ class Link:
     latency_s: float
     bandwidth: float
     source: str = ""
+    sync_s: float = 0.0
 
     def __post_init__(self):
-        if not (self.latency_s >= 0 and self.bandwidth > 0):
+        if not (self.latency_s >= 0 and self.bandwidth > 0 and self.sync_s >= 0):
             raise ValueError(f"Link {self.name!r}: need latency_s >= 0 and bandwidth > 0, got "
                              f"latency_s={self.latency_s!r}, bandwidth={self.bandwidth!r}")
 
@@ -232,6 +238,8 @@ def predict(param_bytes: float, step_time_s: float, *, hosts: int = 1, devices_p
     per_message = param_bytes / messages
     comm = messages * allreduce_time(per_message, hosts=hosts, devices_per_host=devices_per_host,
                                      intra=intra, inter=inter, algorithm=algorithm)
+    if p > 1:
+        comm += (inter if hosts > 1 and inter is not None else intra).sync_s
     exposed = max(0.0, comm - overlap * min(comm, 2 / 3 * compute))
     return Prediction(hosts, devices_per_host, batch_per_device, algorithm, messages, compute, comm,
                       exposed, compute + exposed, one)
@@ -362,18 +370,24 @@ def fit_link(name: str, sizes: Sequence[float], times: Sequence[float], particip
 
 
 def measure_allreduce(devices=None, sizes: Sequence[int] = (2**16, 2**20, 2**22), reps: int = 5,
-                      name: str | None = None) -> Link:
+                      name: str | None = None, iters: int = 8) -> Link:
     """Measures XLA's all-reduce (psum) over `devices` and fits a `Link` to it (`fit_link`).
 
     Works in one process (simulated or real devices) and across processes (every process calls it
-    with the same arguments; the default `devices` is ``jax.devices()``). Compile is excluded; each
-    size is the median of `reps` timings.
+    with the same arguments; the default `devices` is ``jax.devices()``). As
+    ``benchmarks/allreduce.py`` does, each call runs `iters` dependent all-reduces back to back, so
+    that dispatching the program (paid once per step, not per collective) is not counted as
+    latency. Compile is excluded; each size is the median of `reps` calls.
 
     Returns:
       the fitted `Link`.
 
     Raises:
       ValueError: fewer than two devices.
+
+    >>> import jax
+    >>> measure_allreduce(jax.devices()[:2], sizes=(2**12, 2**14), reps=1).bandwidth > 0
+    True
     """
     import jax
     import numpy as np
@@ -382,27 +396,44 @@ def measure_allreduce(devices=None, sizes: Sequence[int] = (2**16, 2**20, 2**22)
     if len(devices) < 2:
         raise ValueError(f"measure_allreduce needs >= 2 devices, got {len(devices)}; on CPU set "
                          "jax.config.update('jax_num_cpu_devices', N) before JAX starts")
-    mesh = jax.make_mesh((len(devices),), ("d",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Explicit,))
+    k = len(devices)
+    mesh = jax.make_mesh((k,), ("d",), devices=devices, axis_types=(jax.sharding.AxisType.Explicit,))
     sharding = jax.sharding.NamedSharding(mesh, jax.P("d"))
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=jax.P("d"),
-                               out_specs=jax.P("d")))
+
+    def body(x):  # mean keeps values bounded; each reduction depends on the previous one
+        return jax.lax.fori_loop(0, iters, lambda _, v: jax.lax.psum(v, "d") / k, x)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d"),
+                               check_vma=False))
+    mine = sum(d.process_index == jax.process_index() for d in devices)
     times = []
     for size in sizes:
         n = size // 4
-        mine = sum(d.process_index == jax.process_index() for d in devices)
-        local = np.ones((n * mine,), np.float32)
-        x = jax.make_array_from_process_local_data(sharding, local, (n * len(devices),))
+        x = jax.make_array_from_process_local_data(sharding, np.ones((n * mine,), np.float32),
+                                                   (n * k,))
         jax.block_until_ready(fn(x))
         samples = []
         for _ in range(reps):
             t0 = time.perf_counter()
             jax.block_until_ready(fn(x))
-            samples.append(time.perf_counter() - t0)
+            samples.append((time.perf_counter() - t0) / iters)
         times.append(sorted(samples)[len(samples) // 2])
-    link = fit_link(name or f"psum over {len(devices)} {devices[0].platform} devices", sizes, times,
-                    len(devices))
-    logger.info("measured %s: %s", link.name, list(zip(sizes, times)))
+    link = fit_link(name or f"psum over {k} {devices[0].platform} devices", sizes, times, k)
+    # one small all-reduce per call: what a step pays once to start its collectives
+    once = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=jax.P("d"),
+                                 out_specs=jax.P("d"), check_vma=False))
+    x = jax.make_array_from_process_local_data(sharding, np.ones((1024 * mine,), np.float32),
+                                               (1024 * k,))
+    jax.block_until_ready(once(x))
+    samples = []
+    for _ in range(max(reps, 5)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(once(x))
+        samples.append(time.perf_counter() - t0)
+    call = sorted(samples)[len(samples) // 2]
+    sync = max(0.0, call - allreduce_time(4096, devices_per_host=k, intra=link))
+    link = dataclasses.replace(link, sync_s=sync)
+    logger.info("measured %s: %s; one call %.3g s", link.name, list(zip(sizes, times)), call)
     return link
 
 
@@ -533,7 +564,8 @@ def run_cli(args) -> str:
 
         link = measure_allreduce(jax.devices()[:args.calibrate_devices])
         lines.append(f"measured here: {link.name}: alpha {link.latency_s * 1e6:.1f} us, "
-                     f"bandwidth {link.bandwidth / 1e9:.3f} GB/s (ring fit)")
+                     f"bandwidth {link.bandwidth / 1e9:.3f} GB/s (ring fit), "
+                     f"{link.sync_s * 1e6:.0f} us per step to start")
         intra = link if intra == "measured" else intra
         inter = link if inter == "measured" else inter
     for name, link in (("intra", intra), ("inter", inter)):
