@@ -222,7 +222,7 @@ def _torch_worker(args, x, y):
     import torch.distributed as dist
     from torch import nn
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.procs))
+    torch.set_num_threads(1)  # one thread per process, as DDP is usually run (one process per core)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.procs)
     torch.manual_seed(0)
     if args.model == "mlp":

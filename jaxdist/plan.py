@@ -42,10 +42,11 @@ ALGORITHMS = ("ring", "tree", "hierarchical", "one_device")
 class Link:
     """One level of interconnect: per-message latency (s) and per-device bandwidth (bytes/s, one way).
 
-    ``sync_s`` is paid once per step when a step's collectives span this link: starting a program
-    whose first collective must wait for every participant (dispatch, and across processes the
-    first rendezvous). Negligible for NCCL/ICI; milliseconds between CPU processes (measured by
-    `measure_allreduce`).
+    ``sync_s`` is paid once per step and per other participant (``(p-1) * sync_s``) when a step's
+    collectives span this link: starting a program whose first collective waits for every
+    participant (dispatch, and across processes the first rendezvous, which waits for the last
+    process to be scheduled). Negligible for NCCL/ICI; milliseconds between CPU processes
+    (measured by `measure_allreduce`).
 
     >>> round(Link("example", latency_s=1e-5, bandwidth=1e9).transfer_s(1e6), 8)
     0.00101
@@ -239,7 +240,7 @@ def predict(param_bytes: float, step_time_s: float, *, hosts: int = 1, devices_p
     comm = messages * allreduce_time(per_message, hosts=hosts, devices_per_host=devices_per_host,
                                      intra=intra, inter=inter, algorithm=algorithm)
     if p > 1:
-        comm += (inter if hosts > 1 and inter is not None else intra).sync_s
+        comm += (p - 1) * (inter if hosts > 1 and inter is not None else intra).sync_s
     exposed = max(0.0, comm - overlap * min(comm, 2 / 3 * compute))
     return Prediction(hosts, devices_per_host, batch_per_device, algorithm, messages, compute, comm,
                       exposed, compute + exposed, one)
@@ -431,7 +432,7 @@ def measure_allreduce(devices=None, sizes: Sequence[int] = (2**16, 2**20, 2**22)
         jax.block_until_ready(once(x))
         samples.append(time.perf_counter() - t0)
     call = sorted(samples)[len(samples) // 2]
-    sync = max(0.0, call - allreduce_time(4096, devices_per_host=k, intra=link))
+    sync = max(0.0, call - allreduce_time(4096, devices_per_host=k, intra=link)) / (k - 1)
     link = dataclasses.replace(link, sync_s=sync)
     logger.info("measured %s: %s; one call %.3g s", link.name, list(zip(sizes, times)), call)
     return link
