@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     for name, link, par, pred, measured in rows:
         err = pred.step_s / measured - 1
         lines.append(f"| {name} | {link.name}: {link.latency_s * 1e6:.0f} us, "
-                     f"{link.bandwidth / 1e9:.2f} GB/s, start {link.sync_s * 1e3:.2f} ms x (p-1) | {par:.2f} | {pred.compute_s * 1e3:.2f} | "
+                     f"{link.bandwidth / 1e9:.2f} GB/s, start {link.sync_s * 1e3:.2f} ms x (p-1) | "
+                     f"{par:.2f} | {pred.compute_s * 1e3:.2f} | "
                      f"{pred.allreduce_s * 1e3:.2f} | {pred.step_s * 1e3:.2f} | {measured * 1e3:.2f} | "
                      f"{err:+.0%} |")
     lines += ["", f"(`python benchmarks/planner.py {' '.join(argv if argv is not None else sys.argv[1:])}`)"]

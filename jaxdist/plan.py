@@ -438,7 +438,8 @@ def measure_allreduce(devices=None, sizes: Sequence[int] = (2**16, 2**20, 2**22)
     return link
 
 
-def measure_step(model: str = "mlp", batch: int = 64, *, steps: int = 20, reps: int = 3) -> tuple[float, float]:
+def measure_step(model: str = "mlp", batch: int = 64, *, steps: int = 20,
+                 reps: int = 3) -> tuple[float, float]:
     """One device's step time for a built-in model (Adam, cross-entropy) and its batch-independent part.
 
     Times ``batch`` and ``2 * batch`` on ``jax.devices()[0]`` (compile excluded, median of `reps`
