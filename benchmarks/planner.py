@@ -86,6 +86,10 @@ def measure_data_parallel(batch: int) -> dict:
     placed = (jax.device_put(x, dat), jax.device_put(y, dat))
     hand = jax.jit(step, in_shardings=(rep, dat), out_shardings=rep, donate_argnums=0)
     state = jax.device_put(models.create_train_state(net, x[:1]), rep)
+    from jaxdist.collectives import _count_collectives
+
+    # the all-reduces XLA actually emits for the step (its combiner may merge the six gradients)
+    all_reduces = _count_collectives(hand.lower(state, placed).compile().as_text())["all-reduce"]
     measured = _window(hand, state, placed)
     # compute only: every device its own replica of the state and its own slice, no all-reduce
     local = jax.jit(jax.shard_map(lambda s, b: jax.tree.map(lambda v: v[None], step(
@@ -96,7 +100,8 @@ def measure_data_parallel(batch: int) -> dict:
     stacked = jax.tree.map(lambda v: jax.device_put(np.broadcast_to(np.asarray(v), (n, *np.shape(v))), dat),
                            models.create_train_state(net, x[:1]))
     compute_only = _window(local, stacked, placed)
-    return {"devices": n, "measured_s": measured, "compute_only_s": compute_only}
+    return {"devices": n, "measured_s": measured, "compute_only_s": compute_only,
+            "all_reduces": all_reduces}
 
 
 def proc_worker(args) -> int:
@@ -139,8 +144,10 @@ def main(argv=None) -> int:
     sim = measure_data_parallel(args.batch)
     par = min(8.0, max(1.0, sim["devices"] * t1 / sim["compute_only_s"]))
     pred = plan.predict(param_bytes, t1, devices_per_host=8, batch_per_device=args.batch,
-                        fixed_s=fixed, num_leaves=leaves, intra=link_sim, compute_parallelism=par)
-    rows.append(("8 simulated devices, 1 process", link_sim, par, pred, sim["measured_s"]))
+                        fixed_s=fixed, num_leaves=sim["all_reduces"], intra=link_sim,
+                        compute_parallelism=par)
+    rows.append((f"8 simulated devices, 1 process ({sim['all_reduces']} all-reduce ops)", link_sim,
+                 par, pred, sim["measured_s"]))
     link_proc = step_link = None
     for p in [int(v) for v in args.procs.split(",") if v]:
         cmd = [sys.executable, "-m", "jaxdist.launch", "-n", str(p), "--devices-per-process", "1",
@@ -158,9 +165,10 @@ def main(argv=None) -> int:
         link_proc = link_proc or here  # the first (2-process) measurement calibrates the rest
         ppar = min(float(p), max(1.0, p * t1 / r["compute_only_s"]))
         kw = dict(hosts=p, devices_per_host=1, batch_per_device=args.batch, fixed_s=fixed,
-                  num_leaves=leaves, compute_parallelism=ppar)
+                  num_leaves=r["all_reduces"], compute_parallelism=ppar)
         pred = plan.predict(param_bytes, t1, intra=link_proc, **kw)
-        rows.append((f"{p} processes x 1 device", link_proc, ppar, pred, r["measured_s"]))
+        rows.append((f"{p} processes x 1 device ({r['all_reduces']} all-reduce ops)", link_proc, ppar,
+                     pred, r["measured_s"]))
         if step_link is None:
             # Calibrate the per-step start cost on this (smallest) job's measured step instead of
             # the raw psum call: what a planner user gets by timing one small job first.
