@@ -7,6 +7,16 @@ import logging
 import sys
 
 
+def _plan_parser(sub) -> None:
+    from jaxdist import plan_measure
+
+    p = sub.add_parser("plan", help="predict step time and scaling efficiency on N hosts x M devices",
+                       description="Predict data-parallel step time and scaling efficiency from a "
+                                   "model's gradient bytes and one device's step time, and "
+                                   "recommend cross_device_ops, pack_bytes and a global batch.")
+    plan_measure.add_arguments(p)
+
+
 def bench(argv: list[str]) -> int:
     """``jaxdist bench NAME [args]``: runs ``benchmarks/NAME.py`` of the source checkout."""
     import os
@@ -44,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     train_cli.add_parser(sub)
     train_cli.add_evaluate_parser(sub)
+    _plan_parser(sub)
     sub.add_parser("launch", help="run a script as N local processes (jaxdist launch -h)")
     sub.add_parser("ps", help="run a parameter-server role (jaxdist ps -h)")
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (jaxdist bench -h)")
@@ -51,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "evaluate":
         return train_cli.evaluate(args)
+    if args.command == "plan":
+        from jaxdist import plan_measure
+
+        print(plan_measure.run_cli(args))
+        return 0
     return train_cli.train(args)
 
 
