@@ -110,7 +110,7 @@ def proc_worker(args) -> int:
     jaxdist.initialize()
     import jax
 
-    from jaxdist import plan, plan_measure
+    from jaxdist import plan_measure
 
     link = plan_measure.measure_allreduce(name=f"psum over {jax.process_count()} processes (gloo)")
     out = measure_data_parallel(args.batch)

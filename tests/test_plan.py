@@ -8,7 +8,7 @@ import math
 import jax
 import pytest
 
-from jaxdist import plan, plan_measure
+from jaxdist import plan_measure
 from jaxdist.plan import Link, allreduce_time, predict, recommend
 from tests.conftest import run_python
 
