@@ -68,6 +68,25 @@ class Layout:
         return NamedSharding(self.mesh, jax.P(self.data_axes))
 
     @functools.cached_property
+    def _batch_like(self) -> set:
+        return set()
+
+    def on_batch_axes(self, x: Any) -> bool:
+        """``x`` is a ``jax.Array`` split along its first axis over the data axes (the layout of a
+        global batch, or of a stack of per-replica values). Equivalent shardings (a compiled
+        step's output on one device reports ``P()``) are remembered, so the check is a set lookup
+        in a steady loop."""
+        if not isinstance(x, jax.Array):
+            return False
+        key = (x.sharding, x.ndim)
+        if x.sharding == self.batch or key in self._batch_like:
+            return True
+        if x.sharding.is_equivalent_to(self.batch, x.ndim):
+            self._batch_like.add(key)
+            return True
+        return False
+
+    @functools.cached_property
     def local_devices(self) -> tuple[jax.Device, ...]:
         """The mesh's devices owned by this process, in replica order."""
         me = jax.process_index()

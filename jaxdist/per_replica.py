@@ -110,7 +110,7 @@ def _classify(layout: Layout, top: Any) -> tuple[str, Any]:
 def _check_stack(layout: Layout, stacked: PyTree) -> PyTree:
     n = layout.num_replicas
     if (isinstance(stacked, jax.Array) and stacked.ndim and stacked.shape[0] == n
-            and stacked.sharding == layout.batch):
+            and layout.on_batch_axes(stacked)):
         return stacked  # the steady state: an output of run fed back in
     for leaf in jax.tree.leaves(stacked):
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
