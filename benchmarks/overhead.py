@@ -1,4 +1,4 @@
-"""@jaxdist.mirrored and strategy.run vs a hand-written jax.jit step with explicit shardings.
+"""What users run (@jaxdist.mirrored, strategy.run, distribute-fed loops, fit) vs a hand-written jax.jit step.
 
 All run the same MLP step (784-256-128-10, Adam, global batch 512) on the same device-resident
 batches and the same mesh; compilation is excluded; repetitions are interleaved, and the order of
@@ -6,9 +6,11 @@ the three rotates from one repetition to the next, so machine noise and warm cac
 The hand-written loop syncs every 8 steps (XLA:CPU deadlocks with too many queued collectives);
 jaxdist's loops are plain `for` loops, as users write them, relying on the library's own bound.
 The per-replica loop is the README's: `state, m = strategy.run(step, args=(state, batch))`, the
-state staying per-replica between steps.
+state staying per-replica between steps. The `distribute` loop and `fit` take their batches from
+`strategy.distribute` (host arrays -> device, prefetch thread) instead of pre-placed ones; `fit`
+also reads metrics and runs its callbacks: they are what users run.
 
-    python benchmarks/overhead.py [--devices 8] [--reps 7] [--steps 64]
+    python benchmarks/overhead.py [--devices 8] [--reps 7] [--steps 64] [--loops global fit ...]
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--loops", nargs="+", default=["hand", "global", "per_replica", "distribute", "fit"],
+                    help="which loops to time (hand is the baseline and always runs)")
     args = ap.parse_args()
+    args.loops = ["hand", *[n for n in args.loops if n != "hand"]]
 
     import jax
 
@@ -77,32 +82,69 @@ def main() -> None:
     def make_state():
         return models.create_train_state(models.MLP(hidden=(256, 128)), x[:1])
 
+    def masked_step(state, batch):  # the same step over a jaxdist.Batch (what distribute yields)
+        (xb, yb), mask = batch
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, xb)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+            return jaxdist.compute_average_loss(per_example, mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    ours_masked = strategy.step(masked_step)
+    # Batch k of an epoch is x[k % 4::4], as in the pre-placed loops, so every loop sees the same
+    # sequence of batches and must end with the same parameters.
+    order = np.concatenate([np.arange(x.shape[0])[k % 4::4] for k in range(args.steps)])
+    dataset = strategy.distribute((x[order], y[order]), args.batch)
+
+    def distribute_fed(state, steps):
+        with dataset.iterator(epoch=0) as it:
+            for _, batch in zip(range(steps), it):
+                state, m = ours_masked(state, batch)
+        return state, m
+
+    def fit(state, steps):
+        history = jaxdist.fit(ours_masked, state, dataset, epochs=1, steps_per_epoch=steps,
+                              verbose=0)
+        return history.state, history.state.step
+
     hand_batches = [jax.device_put((x[i::4], y[i::4]), dat) for i in range(4)]
     our_batches = [ours.strategy.layout.put_batch((x[i::4], y[i::4])) for i in range(4)]
+    def loop_over(fn, batches, sync_every=None):
+        def run(state, steps):
+            for i in range(steps):
+                state, m = fn(state, batches[i % 4])
+                if sync_every and i % sync_every == sync_every - 1:
+                    jax.block_until_ready(m)
+            return state, m
+        return run
+
     states = {"hand": jax.device_put(make_state(), rep), "global": strategy.put(make_state()),
-              "per_replica": make_state()}
-    loops = {"hand": (hand, hand_batches), "global": (ours, our_batches),
-             "per_replica": (per_replica, our_batches)}
+              "per_replica": make_state(), "distribute": strategy.put(make_state()),
+              "fit": strategy.put(make_state())}
+    loops = {"hand": loop_over(hand, hand_batches, sync_every=8),
+             "global": loop_over(ours, our_batches),
+             "per_replica": loop_over(per_replica, our_batches),
+             "distribute": distribute_fed, "fit": fit}
+    names = [n for n in loops if n in args.loops]
 
     def timed(name):
-        fn, batches = loops[name]
-        state = states[name]
-        for b in batches[:2]:  # compile / warm (per-replica: the replicated, then the per-replica state)
-            state, m = fn(state, b)
+        run = loops[name]
+        # Compile / warm on the epoch's first two batches (per-replica: the replicated, then the
+        # per-replica state), so every loop sees the same batches in the same order.
+        state, m = run(states[name], 2)
         jax.block_until_ready(m)
         t0 = time.perf_counter()
-        for i in range(args.steps):
-            state, m = fn(state, batches[i % 4])
-            if name == "hand" and i % 8 == 7:
-                jax.block_until_ready(m)
+        state, m = run(state, args.steps)
         jax.block_until_ready((state, m))
         states[name] = state
         return args.steps / (time.perf_counter() - t0)
 
-    names = list(loops)
     rows: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.reps):
-        order = names[r % 3:] + names[:r % 3]
+        order = names[r % len(names):] + names[:r % len(names)]
         speed = {n: timed(n) for n in order}
         for n in names:
             rows[n].append(speed[n])
