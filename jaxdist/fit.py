@@ -24,6 +24,7 @@ import numpy as np
 from jaxdist._types import PyTree
 from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
 from jaxdist.input import DistributedDataset
+from jaxdist.step import DistributedStep, check_max_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed
 
 
 def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Callable:
-    from jaxdist.step import DistributedStep
-
     if isinstance(step_fn, DistributedStep):
         return step_fn
     return strategy.step(step_fn, donate=donate)
@@ -241,9 +240,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     Raises:
       ValueError: ``max_in_flight`` out of range, or a step returning non-scalar metrics.
     """
-    if not 1 <= max_in_flight <= 32:
-        raise ValueError(f"max_in_flight={max_in_flight} must be in [1, 32]: more queued steps "
-                         "deadlock XLA:CPU's collectives")
+    check_max_in_flight(max_in_flight)
     strategy = _strategy_of(train_step, data)
     step = _as_step(train_step, strategy, donate=True)
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")

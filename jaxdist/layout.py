@@ -68,25 +68,6 @@ class Layout:
         return NamedSharding(self.mesh, jax.P(self.data_axes))
 
     @functools.cached_property
-    def _batch_like(self) -> set:
-        return set()
-
-    def on_batch_axes(self, x: Any) -> bool:
-        """``x`` is a ``jax.Array`` split along its first axis over the data axes (the layout of a
-        global batch, or of a stack of per-replica values). Equivalent shardings (a compiled
-        step's output on one device reports ``P()``) are remembered, so the check is a set lookup
-        in a steady loop."""
-        if not isinstance(x, jax.Array):
-            return False
-        key = (x.sharding, x.ndim)
-        if x.sharding == self.batch or key in self._batch_like:
-            return True
-        if x.sharding.is_equivalent_to(self.batch, x.ndim):
-            self._batch_like.add(key)
-            return True
-        return False
-
-    @functools.cached_property
     def local_devices(self) -> tuple[jax.Device, ...]:
         """The mesh's devices owned by this process, in replica order."""
         me = jax.process_index()
@@ -148,7 +129,13 @@ def placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
     """``x`` is a ``jax.Array`` laid out as ``sharding`` (or an equivalent one: on one device a
     compiled step reports ``P()`` for what was placed as ``P("data")``)."""
     return isinstance(x, jax.Array) and (
-        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
+        x.sharding == sharding or _equivalent(x.sharding, sharding, x.ndim))
+
+
+@functools.lru_cache(maxsize=256)
+def _equivalent(a: jax.sharding.Sharding, b: jax.sharding.Sharding, ndim: int) -> bool:
+    """Remembered, so that a steady loop's check is a lookup, not a comparison of device maps."""
+    return a.is_equivalent_to(b, ndim)
 
 
 def _device_put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from jaxdist import replica
 from jaxdist._types import PyTree
-from jaxdist.layout import Layout, place_all
+from jaxdist.layout import Layout, place_all, placed_on
 from jaxdist.replica import ReduceOp
 from jaxdist.step import InFlight, returns_state
 from jaxdist.values import Batch, PerReplica, is_per_replica
@@ -110,7 +110,7 @@ def _classify(layout: Layout, top: Any) -> tuple[str, Any]:
 def _check_stack(layout: Layout, stacked: PyTree) -> PyTree:
     n = layout.num_replicas
     if (isinstance(stacked, jax.Array) and stacked.ndim and stacked.shape[0] == n
-            and layout.on_batch_axes(stacked)):
+            and placed_on(stacked, layout.batch)):
         return stacked  # the steady state: an output of run fed back in
     for leaf in jax.tree.leaves(stacked):
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:

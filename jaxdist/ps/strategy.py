@@ -143,8 +143,6 @@ class ParameterServerStrategy:
             raise ValueError(f"placement={placement!r} is unknown; expected one of "
                              f"{placement_lib.METHODS}")
 
-    mesh = None
-
     @property
     def mesh(self) -> None:
         """None: parameters live on server processes, not on a device mesh."""

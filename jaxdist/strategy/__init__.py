@@ -1,7 +1,6 @@
 """Distribution strategies, one module per family; ``base`` holds the protocol."""
 
 from jaxdist.strategy.base import MeshStrategy as MeshStrategy
-from jaxdist.strategy.base import PerReplica as PerReplica
 from jaxdist.strategy.base import Strategy as Strategy
 from jaxdist.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from jaxdist.strategy.mirrored import DefaultStrategy as DefaultStrategy
@@ -10,3 +9,4 @@ from jaxdist.strategy.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategy.mirrored import mirrored as mirrored
 from jaxdist.strategy.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategy.multi_worker import TPUStrategy as TPUStrategy
+from jaxdist.values import PerReplica as PerReplica

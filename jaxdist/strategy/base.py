@@ -23,7 +23,7 @@ from jaxdist.input_local import AutoShardPolicy
 from jaxdist.layout import Layout
 from jaxdist.replica import ReduceOp
 from jaxdist.step import DistributedStep
-from jaxdist.values import PerReplica, has_per_replica
+from jaxdist.values import has_per_replica
 
 
 class Strategy(abc.ABC):
