@@ -7,7 +7,8 @@ Two properties matter more than features here:
   queued steps containing collectives deadlock XLA's rendezvous and abort the process.
 * **Exact metrics.** Each step's metrics are means over the real examples of its batch; the epoch's
   value weights them by those counts, so a padded final batch is neither dropped nor over-counted.
-  Metrics are read with a lag of ``max_in_flight`` steps, never forcing a sync on the newest one.
+  Metrics are read a few steps at a time while the newer half of the ``max_in_flight`` window stays
+  in flight; the newest step is never waited on.
 """
 
 from __future__ import annotations
@@ -49,19 +50,20 @@ class _Meter:
 
     def push(self, metrics: PyTree, num_real: int) -> None:
         self._pending.append((metrics, num_real))
-        while len(self._pending) > self._max:
-            self._read_oldest()
+        if len(self._pending) > self._max:
+            # The older steps in one transfer (one wait, not one per step); the newer half of the
+            # window stays in flight, so the devices never run dry while the host reads.
+            self._read(len(self._pending) - (self._max + 1) // 2)
 
-    def _read_oldest(self) -> None:
-        metrics, n = self._pending.popleft()
-        flat = _flatten_metrics(jax.device_get(metrics))
-        for k, v in flat.items():
-            self._sums[k] = self._sums.get(k, 0.0) + float(v) * n
-        self._count += n
+    def _read(self, count: int) -> None:
+        batch = [self._pending.popleft() for _ in range(count)]
+        for metrics, (_, n) in zip(jax.device_get([m for m, _ in batch]), batch):
+            for k, v in _flatten_metrics(metrics).items():
+                self._sums[k] = self._sums.get(k, 0.0) + float(v) * n
+            self._count += n
 
     def drain(self) -> dict[str, float]:
-        while self._pending:
-            self._read_oldest()
+        self._read(len(self._pending))
         return self.result()
 
     def result(self) -> dict[str, float]:

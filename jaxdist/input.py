@@ -117,6 +117,7 @@ class DistributedDataset:
         self._prefetch, self._sync_timeout_s = prefetch, sync_timeout_s
         self._epoch = 0
         self._runs = itertools.count()
+        self._full_mask = None  # the device mask of a batch without padding, made once
 
     def __len__(self) -> int:
         """Batches per epoch (in-memory datasets only)."""
@@ -160,7 +161,7 @@ class DistributedDataset:
                      if self.shuffle else np.arange(self._num_examples))
             for k in range(position, len(self)):
                 idx = order[k * gb:(k + 1) * gb]
-                yield self._pad(idx, rows, lambda i: jax.tree.map(lambda a: a[i], self._arrays))
+                yield self._pad(idx, rows, lambda i: _take_rows(self._arrays, i))
             return
         source = self._iterable() if callable(self._iterable) else self._iterable
         if self.auto_shard_policy is not AutoShardPolicy.DATA:
@@ -179,8 +180,7 @@ class DistributedDataset:
             emitted += 1
             if emitted <= position:
                 continue
-            yield self._pad(np.arange(b), rows,
-                            lambda i, item=item: jax.tree.map(lambda a: np.asarray(a)[i], item))
+            yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
 
     def _per_process(self, source: Any, rows: slice, position: int,
                      sync: StepSync) -> Iterator[_Host]:
@@ -208,11 +208,42 @@ class DistributedDataset:
 
     def _to_device(self, host: _Host):
         sharding, gb = self.strategy.layout.batch, self.global_batch_size
+        if host.num_real == gb:  # every row is real: the mask is the same every full batch
+            if self._full_mask is None:
+                self._full_mask = self._put(sharding, np.ones(len(host.mask), bool))
+            return Batch(self._put(sharding, host.local), self._full_mask), gb
+        return Batch(*self._put(sharding, (host.local, host.mask))), host.num_real
 
-        def put(local):
-            return jax.make_array_from_process_local_data(sharding, local, (gb,) + local.shape[1:])
+    def _put(self, sharding, tree):
+        """Host rows of a global batch -> global arrays: one batched transfer of the whole tree in a
+        single process (cheaper than an array at a time), the process-local assembly otherwise."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        gb = self.global_batch_size
+        return jax.tree.map(lambda local: jax.make_array_from_process_local_data(
+            sharding, local, (gb,) + local.shape[1:]), tree)
 
-        return Batch(jax.tree.map(put, host.local), put(host.mask)), host.num_real
+
+# XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and
+# copies any other, at 2-4x the cost of the copy itself.
+_ALIGN = 64
+
+
+def _take_rows(tree: PyTree, idx: np.ndarray) -> PyTree:
+    """``a[idx]`` of every leaf, each into a fresh aligned buffer, so that placing it on CPU devices
+    costs no second copy. Fresh per batch: nothing writes to a buffer once it has been handed over."""
+    def take(a):
+        a = np.asarray(a)
+        if a.dtype.hasobject:
+            return a[idx]
+        shape = (len(idx),) + a.shape[1:]
+        nbytes = int(np.prod(shape)) * a.itemsize
+        raw = np.empty(nbytes + _ALIGN, np.uint8)
+        start = -raw.ctypes.data % _ALIGN
+        out = raw[start:start + nbytes].view(a.dtype).reshape(shape)
+        return np.take(a, idx, axis=0, out=out, mode="clip")  # "clip": unbuffered; idx is in range
+
+    return jax.tree.map(take, tree)
 
 
 _DONE = object()
