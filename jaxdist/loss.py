@@ -44,15 +44,9 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
     if mask.shape != loss.shape:
         raise ValueError(f"mask has shape {mask.shape} but the per-example loss has batch shape "
                          f"{loss.shape}; pass batch.mask of the same batch")
+    total = jnp.sum(jnp.where(mask, loss, 0.0))
+    count = jnp.sum(mask, dtype=jnp.float32)
     ctx = replica.current()
     if ctx is not None and ctx.per_replica and ctx.axes:
-        total = jnp.sum(jnp.where(mask, loss, 0.0))
-        count = jax.lax.psum(jnp.sum(mask, dtype=jnp.float32), ctx.axes)
-    else:
-        # One reduction over the batch axis for both sums: over a sharded batch that is one
-        # all-reduce of two numbers (a hand-written mean has one too), not two all-reduces.
-        dtype = jnp.promote_types(loss.dtype, jnp.float32)
-        sums = jnp.sum(jnp.stack([jnp.where(mask, loss, 0.0).astype(dtype), mask.astype(dtype)]),
-                       axis=1)
-        total, count = sums[0], sums[1]
+        count = jax.lax.psum(count, ctx.axes)
     return total / jnp.maximum(count, 1)

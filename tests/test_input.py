@@ -206,3 +206,31 @@ def test_a_bare_jax_array_is_an_in_memory_dataset():
     dist = s.distribute(jnp.arange(32.0).reshape(16, 2), 8)
     assert len(dist) == 2
     assert [b.data.shape for b in dist] == [(8, 2), (8, 2)]
+
+
+def test_host_rows_are_gathered_into_aligned_buffers():
+    # XLA:CPU places 64-byte-aligned host buffers without copying them; every leaf dtype and shape
+    # still comes out equal to a[idx], and object arrays fall back to plain indexing.
+    from jaxdist.input import _ALIGN, _take_rows
+
+    rng = np.random.default_rng(0)
+    tree = {"x": rng.normal(size=(37, 3, 5)).astype(np.float32), "y": np.arange(37, dtype=np.int8),
+            "f": rng.normal(size=37), "o": np.array([str(i) for i in range(37)], dtype=object)}
+    idx = rng.permutation(37)[:11]
+    out = _take_rows(tree, idx)
+    for k, a in tree.items():
+        np.testing.assert_array_equal(out[k], a[idx])
+        assert out[k].dtype == a.dtype
+        if k != "o":
+            assert out[k].ctypes.data % _ALIGN == 0
+            assert not np.shares_memory(out[k], a)
+
+
+def test_full_batches_share_one_device_mask_and_a_partial_batch_gets_its_own():
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+    dist = s.distribute({"id": np.arange(20)}, 8)  # 8, 8, then 4 real rows padded to 8
+    batches = list(dist)
+    assert batches[0].mask is batches[1].mask
+    assert np.asarray(batches[0].mask).all()
+    np.testing.assert_array_equal(np.asarray(batches[2].mask), np.arange(8) < 4)
+    assert batches[2].mask.sharding == batches[0].mask.sharding
