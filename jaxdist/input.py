@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -297,13 +298,15 @@ class DistributedIterator:
 
     ``state()`` is ``{"epoch": e, "position": k}`` (batches handed out so far), enough to resume
     at exactly the next batch via ``dataset.iterator(**state)``. ``last_num_real`` is the number of
-    real (unpadded) examples in the batch most recently returned. ``close()`` (or leaving a
-    ``with`` block, or dropping the iterator) stops the background thread.
+    real (unpadded) examples in the batch most recently returned; ``stall_s`` the seconds ``next()``
+    has waited for a batch that was not ready yet (the input pipeline's stall). ``close()`` (or
+    leaving a ``with`` block, or dropping the iterator) stops the background thread.
     """
 
     def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
         self.epoch, self.position = epoch, position
         self.last_num_real = 0
+        self.stall_s = 0.0  # time spent waiting for the prefetch thread: the input pipeline's stall
         # The run number is taken here, on the caller's thread, so that processes creating
         # iterators in the same order name the same exchange.
         stop = threading.Event()
@@ -315,16 +318,14 @@ class DistributedIterator:
 
     def __next__(self) -> Batch:
         producer = self._producer
-        while True:
-            if producer.stop.is_set():
-                raise StopIteration
-            try:
-                item = producer.queue.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if not producer.thread.is_alive() and producer.queue.empty():
-                    producer.stop.set()
-                    raise StopIteration from None
+        if producer.stop.is_set():
+            raise StopIteration
+        try:
+            item = producer.queue.get_nowait()
+        except queue.Empty:
+            waited_from = time.perf_counter()
+            item = self._wait(producer)
+            self.stall_s += time.perf_counter() - waited_from
         if item is _DONE:
             self.close()
             raise StopIteration
@@ -334,6 +335,18 @@ class DistributedIterator:
         batch, self.last_num_real = item
         self.position += 1
         return batch
+
+    @staticmethod
+    def _wait(producer: _Producer):
+        while True:
+            if producer.stop.is_set():
+                raise StopIteration
+            try:
+                return producer.queue.get(timeout=0.5)
+            except queue.Empty:
+                if not producer.thread.is_alive() and producer.queue.empty():
+                    producer.stop.set()
+                    raise StopIteration from None
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}

@@ -234,3 +234,18 @@ def test_full_batches_share_one_device_mask_and_a_partial_batch_gets_its_own():
     assert np.asarray(batches[0].mask).all()
     np.testing.assert_array_equal(np.asarray(batches[2].mask), np.arange(8) < 4)
     assert batches[2].mask.sharding == batches[0].mask.sharding
+
+
+def test_iterator_reports_how_long_it_waited_for_the_pipeline():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def slow():  # each batch takes >= 20 ms to arrive, so next() must wait for it
+        import time
+        for k in range(3):
+            time.sleep(0.02)
+            yield {"x": np.full((4,), k, np.float32)}
+
+    with s.distribute(slow, 4, prefetch=1).iterator() as it:
+        assert it.stall_s == 0.0
+        assert [float(b.data["x"][0]) for b in it] == [0.0, 1.0, 2.0]
+        assert it.stall_s >= 0.03
