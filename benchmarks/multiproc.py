@@ -3,9 +3,10 @@
 Every configuration runs as its own pair of processes joined over 127.0.0.1 (JAX:
 ``jax.distributed.initialize`` with its default gloo CPU collectives; torch: ``init_process_group
 ("gloo")``), compiles and warms up, then times one window of steps per round on command. Rounds are
-interleaved and their order alternates, so load from other jobs hits every configuration alike;
-each figure is the median over rounds of (time per step, slower rank), and each ratio is DDP's
-time ÷ the configuration's time *in the same round* (>1: faster than DDP), median over rounds.
+interleaved and their order alternates, so load from other jobs hits every configuration alike. In
+a round each configuration runs ``--repeats`` windows and keeps its fastest (time per step, slower
+rank); figures are medians over rounds, and each ratio is DDP's time ÷ the configuration's time
+*in the same round* (>1: faster than DDP), median over rounds.
 
 Training steps (MLP 784-256-128-10, Adam, the same global batch split over the two processes):
 
@@ -17,6 +18,9 @@ Training steps (MLP 784-256-128-10, Adam, the same global batch split over the t
   global              jaxdist.MultiWorkerMirroredStrategy().step(train_step) (the global view)
   per_replica         strategy.run(step) with jaxdist.all_reduce, MultiWorkerMirroredStrategy()
   per_replica_leaves  the same with pack_bytes=None forced (one gloo call per gradient leaf)
+  per_replica_buckets the same with pack_bytes=256 KiB: the first layer's kernel (784 KiB) in its
+                      own all-reduce, the rest in another, which may overlap the first layer's
+                      backward pass
 
 Raw all-reduce of the MLP's gradients (0.94 MB float32) between the two processes:
 
@@ -25,9 +29,12 @@ Raw all-reduce of the MLP's gradients (0.94 MB float32) between the two processe
   ar_jax              a jitted psum of one flat array (one gloo call)
   ar_jax_leaves       a jitted psum of the six leaves (XLA combines them into one variadic
                       all-reduce, which XLA:CPU sends operand by operand: six gloo calls)
+  ar_torch_tiny, ar_jax_tiny   one float32: the latency of one call
 
 A configuration name may carry runtime variants after ``:``, e.g. ``hand:eigen1`` (one Eigen
-thread: ``--xla_cpu_multi_thread_eigen=false``), ``hand:sync`` (no async dispatch).
+thread: ``--xla_cpu_multi_thread_eigen=false``), ``hand:sync`` (no async dispatch), or
+``per_replica:alt``: jaxdist imported from ``--alt-repo`` (another checkout: before/after figures
+in one invocation).
 
     python benchmarks/multiproc.py                       # steps, 5 rounds
     python benchmarks/multiproc.py --allreduce           # the raw all-reduces instead
@@ -50,11 +57,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = ((784, 256), (256,), (256, 128), (128,), (128, 10), (10,))  # the MLP's parameter leaves
 STEP_CONFIGS = ("ddp", "torch_local", "hand", "hand_flat", "jax_local", "global", "per_replica",
-                "per_replica_leaves")
-ALLREDUCE_CONFIGS = ("ar_torch", "ar_torch_leaves", "ar_jax", "ar_jax_leaves")
+                "per_replica_leaves", "per_replica_buckets")
+ALLREDUCE_CONFIGS = ("ar_torch", "ar_torch_leaves", "ar_jax", "ar_jax_leaves", "ar_torch_tiny",
+                     "ar_jax_tiny")
 VARIANTS = {
     "eigen1": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
     "sync": {"JAX_CPU_ENABLE_ASYNC_DISPATCH": "0"},
+    "alt": {},  # PYTHONPATH=--alt-repo, set by Pair
 }
 
 
@@ -79,7 +88,7 @@ def _torch_worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=2)
     if args.config.startswith("ar_"):
-        shapes = SIZES if args.config.endswith("_leaves") else ((sum(_numel(s) for s in SIZES),),)
+        shapes = _allreduce_shapes(args.config)
         bufs = [torch.ones(s) for s in shapes]
 
         def op():
@@ -104,6 +113,12 @@ def _torch_worker(args):
         loss_fn(model(xb), yb).backward()
         opt.step()
     return step
+
+
+def _allreduce_shapes(config: str) -> tuple:
+    if config.endswith("_leaves"):
+        return SIZES
+    return ((1,),) if config.endswith("_tiny") else ((sum(_numel(s) for s in SIZES),),)
 
 
 def _numel(shape) -> int:
@@ -133,7 +148,7 @@ def _jax_worker(args):
     if args.config.startswith("ar_"):
         mesh = jax.make_mesh((2,), ("p",), axis_types=(AxisType.Explicit,))
         sh = NamedSharding(mesh, jax.P("p"))
-        shapes = SIZES if args.config.endswith("_leaves") else ((sum(_numel(s) for s in SIZES),),)
+        shapes = _allreduce_shapes(args.config)
         arrays = tuple(jax.make_array_from_process_local_data(sh, np.ones((1, *s), np.float32))
                        for s in shapes)
         f = jax.jit(jax.shard_map(lambda *xs: tuple(jax.lax.psum(x, "p") * 0.5 for x in xs),
@@ -201,7 +216,8 @@ def _jax_worker(args):
                                        out_specs=(jax.P(), jax.P()), check_vma=False),
                          donate_argnums=0)
     else:
-        kwargs = {"pack_bytes": None} if args.config == "per_replica_leaves" else {}
+        kwargs = {"per_replica_leaves": {"pack_bytes": None},
+                  "per_replica_buckets": {"pack_bytes": 2**18}}.get(args.config, {})
         strategy = jaxdist.MultiWorkerMirroredStrategy(**kwargs)
         placed = [_global_batch(strategy, b) for b in local]
         if args.config == "global":
@@ -256,7 +272,8 @@ def worker_main(args) -> int:
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        print(f"TIME {window():.9f}", flush=True)
+        # The fastest of a few windows: other jobs' bursts on a shared machine inflate single ones.
+        print(f"TIME {min(window() for _ in range(args.repeats)):.9f}", flush=True)
     return 0
 
 
@@ -284,12 +301,19 @@ class Pair:
                "PYTHONUNBUFFERED": "1"}
         for v in variants:
             env.update(VARIANTS[v])
+        if "alt" in variants:
+            if not args.alt_repo:
+                raise SystemExit(f"{spec}: the 'alt' variant needs --alt-repo PATH")
+            env["PYTHONPATH"] = os.path.abspath(args.alt_repo)
         port = _free_port()
         for rank in range(2):
             err = open(os.path.join(log_dir, f"{spec.replace(':', '-')}-{rank}.err"), "w+")
-            cmd = [_python_for(config), os.path.abspath(__file__), "--worker", config,
+            script = os.path.abspath(__file__)
+            if "alt" in variants:  # its own worker too, so the two sides differ only in jaxdist
+                script = os.path.join(os.path.abspath(args.alt_repo), "benchmarks", "multiproc.py")
+            cmd = [_python_for(config), script, "--worker", config,
                    "--rank", str(rank), "--port", str(port), "--batch", str(args.batch),
-                   "--steps", str(args.steps)]
+                   "--steps", str(args.steps), "--repeats", str(args.repeats)]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                  text=True, env=env, cwd=REPO, start_new_session=True)
             threading.Thread(target=self._read, args=(rank, p), daemon=True).start()
@@ -409,10 +433,13 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None, help="ratios against it (ddp, or ar_torch)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=32, help="steps (or all-reduces) per window")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="windows per round and configuration; the fastest counts")
     ap.add_argument("--batch", type=int, default=128, help="global batch (64 per process)")
     ap.add_argument("--setup-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=120)
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--alt-repo", default=None, help="a jaxdist checkout for the ':alt' variant")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -434,7 +461,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; global batch {args.batch}, "
-          f"{args.steps} per window, {args.rounds} rounds", flush=True)
+          f"{args.steps} per window, best of {args.repeats} per round, {args.rounds} rounds", flush=True)
     results = measure(specs, baseline, args)
     unit = "all-reduce" if baseline.startswith("ar_") else "step"
     print("\n" + table(results, baseline, unit))

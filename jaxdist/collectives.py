@@ -119,7 +119,7 @@ def reduce_tree(
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in _buckets(leaves, pack_bytes, compress):
         wire, accum = _wire_dtype(leaves[bucket[0]].dtype, compress), _accum_dtype(leaves[bucket[0]].dtype)
-        flat = jnp.concatenate([leaves[i].reshape(-1).astype(wire) for i in bucket])
+        flat = _pack([leaves[i].reshape(-1).astype(wire) for i in bucket])
         # An empty bucket sends nothing: its sum and mean are empty too.
         summed = reduce_flat(flat, accum=accum) if flat.size else flat
         if op == "mean":
@@ -130,6 +130,24 @@ def reduce_tree(
             out[i] = summed[offset : offset + size].reshape(leaves[i].shape).astype(leaves[i].dtype)
             offset += size
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _pack(parts: list[jax.Array]) -> jax.Array:
+    """The 1-D `parts` end to end, written into one buffer slice by slice.
+
+    Same values as ``jnp.concatenate(parts)``, built the way XLA:CPU runs fast: it fuses a
+    concatenate with its producers (here the gradient's bias reductions) into one element-wise
+    loop that selects an operand per element, measured at 1.5-2 ms for the MLP's 0.94 MB of
+    gradients on one thread, against ~0.1 ms for in-place slice updates.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    flat = jnp.zeros(sum(p.shape[0] for p in parts), parts[0].dtype)
+    offset = 0
+    for p in parts:
+        flat = lax.dynamic_update_slice(flat, p, (offset,))
+        offset += p.shape[0]
+    return flat
 
 
 # ---------------------------------------------------------------------------------------------
