@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import queue
 import socket
 import statistics
@@ -439,6 +440,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setup-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=120)
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     ap.add_argument("--alt-repo", default=None, help="a jaxdist checkout for the ':alt' variant")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -459,16 +461,35 @@ def main(argv=None) -> int:
     if baseline not in specs:
         specs.insert(0, baseline)
     load = os.getloadavg()
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU cores; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; global batch {args.batch}, "
-          f"{args.steps} per window, best of {args.repeats} per round, {args.rounds} rounds", flush=True)
+    header = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
+              f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, {_versions()}; "
+              f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; global batch "
+              f"{args.batch}, {args.steps} per window, best of {args.repeats} per round, "
+              f"{args.rounds} rounds")
+    print(header, flush=True)
     results = measure(specs, baseline, args)
     unit = "all-reduce" if baseline.startswith("ar_") else "step"
-    print("\n" + table(results, baseline, unit))
     load = os.getloadavg()
-    print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"`python benchmarks/multiproc.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    report = (f"{header}\n\n{table(results, baseline, unit)}\n\nload average at the end "
+              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; `python benchmarks/multiproc.py "
+              f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+    print("\n" + report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
     return 0
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    found = []
+    for name in ("jax", "torch"):
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 if __name__ == "__main__":
