@@ -159,6 +159,10 @@ def main() -> None:
         ratios = [o / h for o, h in zip(rows[n], rows["hand"])]
         print(f"{n} / hand-written steps/s: min {min(ratios):.3f}  median "
               f"{statistics.median(ratios):.3f}  max {max(ratios):.3f}   (target: median >= 0.97)")
+    if "global" in names and "per_replica" in names:
+        ratios = [p / g for p, g in zip(rows["per_replica"], rows["global"])]
+        print(f"per_replica / global steps/s: min {min(ratios):.3f}  median "
+              f"{statistics.median(ratios):.3f}  max {max(ratios):.3f}   (target: median >= 0.97)")
     final = {n: jax.tree.leaves(jax.device_get(strategy.to_mirrored(states[n]).params))[0]
              for n in names}
     for n in names[1:]:  # same computation, so the same parameters after the same steps
