@@ -92,8 +92,9 @@ class RunCache:
         owner, func = self._split(fn)
         try:
             per_owner = self._by_owner.get(owner)
-        except TypeError:  # unhashable owner: the slow path each time
-            return None
+        except TypeError:  # unhashable: keyed on identity, as in _entries
+            found = self._by_id.get(id(owner))
+            per_owner = found[1] if found is not None and found[0]() is owner else None
         return None if per_owner is None else per_owner.get((func, _PLAN))
 
     def remember(self, fn: Callable, plan: _Plan) -> None:

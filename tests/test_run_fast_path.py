@@ -146,3 +146,23 @@ def test_mismatched_per_replica_values_still_raise_after_a_fast_path():
     h = s.run(lambda x: x, args=(h,))
     with pytest.raises(ValueError, match="leading axis must be 2"):
         s.run(lambda x: x, args=(jaxdist.PerReplica(np.ones((4, 3), np.float32)),))
+
+
+def test_methods_of_unhashable_objects_take_the_fast_path_too(monkeypatch):
+    import dataclasses
+
+    @dataclasses.dataclass  # eq=True, so instances are not hashable
+    class Trainer:
+        scale: float = 2.0
+
+        def step(self, v):
+            return v * self.scale
+
+    s, t = _mirrored(2), Trainer()
+    v = s.run(t.step, args=(jnp.float32(1),))
+    v = s.run(t.step, args=(v,))
+    calls = []
+    classify = per_replica._classify
+    monkeypatch.setattr(per_replica, "_classify", lambda *a: calls.append(1) or classify(*a))
+    v = s.run(t.step, args=(v,))
+    assert calls == [] and [float(r) for r in s.local_results(v)] == [8.0, 8.0]
