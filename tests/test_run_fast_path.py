@@ -140,7 +140,7 @@ def test_mismatched_per_replica_values_still_raise_after_a_fast_path():
     v = s.run(lambda: jnp.ones(3))
     v = s.run(lambda x: x + 1, args=(v,))
     v = s.run(lambda x: x + 1, args=(v,))
-    with pytest.raises(ValueError, match="made by a strategy with 4 replicas, but this strategy has 2"):
+    with pytest.raises(ValueError, match="made by a strategy with 4 replicas, but this .* has 2"):
         s.run(lambda x: x + 1, args=(_mirrored(4).run(lambda: jnp.ones(3)),))
     h = jaxdist.PerReplica(jnp.ones((2, 3)))
     h = s.run(lambda x: x, args=(h,))
