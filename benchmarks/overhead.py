@@ -189,6 +189,10 @@ def main() -> None:
         ratios = [o / h for o, h in zip(rows[n], rows["hand"])]
         print(f"{n} / hand-written steps/s: min {min(ratios):.3f}  median "
               f"{statistics.median(ratios):.3f}  max {max(ratios):.3f}   (target: median >= 0.97)")
+    if "global" in names and "per_replica" in names:
+        ratios = [p / g for p, g in zip(rows["per_replica"], rows["global"])]
+        print(f"per_replica / global steps/s: min {min(ratios):.3f}  median "
+              f"{statistics.median(ratios):.3f}  max {max(ratios):.3f}   (target: median >= 0.97)")
     if "hand_fed" in names:
         for n in [n for n in ("distribute", "fit") if n in names]:
             ratios = [o / h for o, h in zip(rows[n], rows["hand_fed"])]

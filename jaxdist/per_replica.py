@@ -30,7 +30,7 @@ from jaxdist.values import Batch, PerReplica, is_per_replica
 
 logger = logging.getLogger(__name__)
 
-_REP, _SPLIT, _PER, _STATIC = "replicated", "split", "per_replica", "static"
+_REP, _SPLIT, _PER, _BLOCKS, _STATIC = "replicated", "split", "per_replica", "blocks", "static"
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
@@ -87,10 +87,88 @@ class RunCache:
             entry = per_owner[(func, key)] = build(get_fn)
         return entry
 
+    def last_plan(self, fn: Callable) -> _Plan | None:
+        """What the previous ``run`` of ``fn`` found, held as weakly as the compiled entries."""
+        owner, func = self._split(fn)
+        try:
+            per_owner = self._by_owner.get(owner)
+        except TypeError:  # unhashable: keyed on identity, as in _entries
+            found = self._by_id.get(id(owner))
+            per_owner = found[1] if found is not None and found[0]() is owner else None
+        return None if per_owner is None else per_owner.get((func, _PLAN))
+
+    def remember(self, fn: Callable, plan: _Plan) -> None:
+        owner, func = self._split(fn)
+        per_owner = self._entries(owner)
+        if per_owner is not None:
+            per_owner[(func, _PLAN)] = plan
+
+
+_PLAN = object()  # the key, beside a function's compiled entries, of its last call's plan
+_UNSEEN = object()
+
+
+class _Plan:
+    """The previous call's argument structure, kinds and placements, and what it compiled to.
+
+    A loop calls ``run(step, args=(state, batch))`` with the same structure every step; checking
+    the new arguments against the previous call's (``flatten_up_to`` its treedef, then one type
+    and sharding identity test per argument) costs a few microseconds, where classifying them
+    afresh costs tens. Anything that does not match goes the full way, which raises the errors.
+    """
+
+    __slots__ = ("treedef", "kinds", "statics", "shardings", "entry", "n")
+
+    def __init__(self, treedef, kinds, statics, values, entry, n):
+        self.treedef, self.kinds, self.statics, self.entry, self.n = (
+            treedef, kinds, statics, entry, n)
+        vals = iter(values)
+        self.shardings = [_UNSEEN if k is _STATIC or k is _SPLIT else _sharding(next(vals))
+                          for k in kinds]
+
+    def match(self, layout: Layout, args: tuple, kwargs: dict) -> list | None:
+        """The placed argument values when the arguments match this plan, else None."""
+        try:
+            tops = self.treedef.flatten_up_to((args, kwargs))
+        except (ValueError, TypeError):
+            return None
+        values, statics, shardings = [], iter(self.statics), self.shardings
+        for i, (kind, top) in enumerate(zip(self.kinds, tops)):
+            if kind is _BLOCKS or kind is _PER:
+                if type(top) is not PerReplica or top._blocks != (self.n if kind is _BLOCKS else 0):
+                    return None
+                value = top._value
+                if not (isinstance(value, jax.Array) and value.sharding is shardings[i]
+                        and (kind is _BLOCKS or (value.ndim and value.shape[0] == self.n))):
+                    value = _placed(layout, top)._value
+                    shardings[i] = _sharding(value)
+            elif kind is _SPLIT:
+                if type(top) is not Batch:
+                    return None
+                value = layout.put_batch(top)
+            elif kind is _REP:
+                if not (isinstance(top, jax.Array) and top.sharding is shardings[i]):
+                    if not (isinstance(top, _ARRAY_TYPES) or hasattr(top, "__jax_array__")):
+                        return None
+                    top = layout.put_replicated(top)
+                    shardings[i] = _sharding(top)
+                value = top
+            else:
+                static = next(statics)
+                if type(top) is not type(static) or top != static:
+                    return None
+                continue
+            values.append(value)
+        return values
+
+
+def _sharding(value: Any) -> Any:
+    return value.sharding if isinstance(value, jax.Array) else _UNSEEN
+
 
 def _classify(layout: Layout, top: Any) -> tuple[str, Any]:
     if isinstance(top, PerReplica):
-        return _PER, _check_stack(layout, top.stacked)
+        return (_BLOCKS if top._blocks else _PER), _placed(layout, top)._value
     if isinstance(top, Batch):
         return _SPLIT, layout.put_batch(top)
     if isinstance(top, _ARRAY_TYPES) or hasattr(top, "__jax_array__"):
@@ -107,17 +185,23 @@ def _classify(layout: Layout, top: Any) -> tuple[str, Any]:
     return _STATIC, top
 
 
-def _check_stack(layout: Layout, stacked: PyTree) -> PyTree:
-    n = layout.num_replicas
-    if (isinstance(stacked, jax.Array) and stacked.ndim and stacked.shape[0] == n
-            and placed_on(stacked, layout.batch)):
-        return stacked  # the steady state: an output of run fed back in
-    for leaf in jax.tree.leaves(stacked):
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
+def _placed(layout: Layout, value: PerReplica) -> PerReplica:
+    """``value`` with its arrays on the batch sharding (kept when already there), its form kept."""
+    n, raw = layout.num_replicas, value._value
+    if isinstance(raw, jax.Array) and placed_on(raw, layout.batch):
+        if value._blocks == n or (not value._blocks and raw.ndim and raw.shape[0] == n):
+            return value  # the steady state: an output of run fed back in
+    if value._blocks and value._blocks != n:
+        raise ValueError(
+            f"a PerReplica value was made by a strategy with {value._blocks} replicas, but this "
+            f"strategy has {n}; read it with that strategy (reduce / gather / to_mirrored) first")
+    for leaf in jax.tree.leaves(raw):
+        if not value._blocks and (np.ndim(leaf) == 0 or np.shape(leaf)[0] != n):
             raise ValueError(
                 f"a PerReplica value holds a leaf of shape {np.shape(leaf)}, but this strategy has "
                 f"{n} replicas, so its leading axis must be {n}; was it made by another strategy?")
-    return place_all(stacked, layout.batch)
+    placed = place_all(raw, layout.batch)
+    return PerReplica._from_blocks(placed, n) if value._blocks else PerReplica(placed)
 
 
 def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict) -> PyTree:
@@ -129,12 +213,12 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     """
     compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
     with replica.enter(layout.context(per_replica=True)):
-        out = compiled(*values)
+        out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
     if keeps_state:
         cache.in_flight.add(out[1], out[0])
     else:
         cache.in_flight.add(out, ())
-    return jax.tree.map(PerReplica, out)
+    return out
 
 
 def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None):
@@ -144,7 +228,7 @@ def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = N
     ``.compile().cost_analysis()``.
 
     >>> import jax, jaxdist
-    >>> s = jaxdist.MirroredStrategy(jax.devices()[:1])
+    >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> "all_reduce" in lower(s, lambda v: jaxdist.all_reduce(v, "sum"), args=(1.0,)).as_text()
     True
     """
@@ -156,9 +240,14 @@ def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = N
 
 def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict):
     """Places the arguments and finds (or compiles) the per-replica program for them."""
+    args = tuple(args)
+    plan = cache.last_plan(fn)
+    if plan is not None:
+        values = plan.match(layout, args, kwargs if type(kwargs) is dict else dict(kwargs))
+        if values is not None:
+            return (*plan.entry, values)
     if not callable(fn):
         raise TypeError(f"strategy.run(fn, ...) expects a callable, got {type(fn).__name__}")
-    args = tuple(args)
     tops, treedef = jax.tree.flatten((args, dict(kwargs)), is_leaf=_is_distributed)
     num_first = len(jax.tree.leaves(args[0], is_leaf=_is_distributed)) if args else 0
     kinds, values, statics = [], [], []
@@ -167,15 +256,18 @@ def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs:
         kinds.append(kind)
         (statics if kind == _STATIC else values).append(value)
     key = (treedef, tuple(kinds), tuple(statics), num_first)
-    compiled, keeps_state = cache.lookup(fn, key, lambda get_fn: _compile(
+    entry = cache.lookup(fn, key, lambda get_fn: _compile(
         layout, get_fn, treedef, tuple(kinds), tuple(statics), num_first, values))
-    return compiled, keeps_state, values
+    cache.remember(fn, _Plan(treedef, tuple(kinds), tuple(statics), values, entry,
+                             layout.num_replicas))
+    return (*entry, values)
 
 
 def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tuple[str, ...],
              statics: tuple, num_first: int, values: list) -> tuple[Callable, bool]:
     split = jax.P(layout.data_axes)
-    traced_returns_state = []
+    n = layout.num_replicas
+    traced_returns_state, out_ranks = [], []
 
     def body(*vals):
         vals, consts = iter(vals), iter(statics)
@@ -185,16 +277,29 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
                 tops.append(next(consts))
             elif kind == _PER:
                 tops.append(jax.tree.map(lambda x: x[0], next(vals)))
-            else:
+            else:  # a replicated value, a batch's slice, or a replica's own block: as they are
                 tops.append(next(vals))
         args, kwargs = jax.tree.unflatten(treedef, tops)
         out = get_fn()(*args, **kwargs)
         traced_returns_state.append(bool(args) and returns_state(args[0], out))
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+        leaves, out_def = jax.tree.flatten(out)
+        leaves = [jnp.asarray(x) for x in leaves]
+        out_ranks[:] = [x.ndim for x in leaves]
+        # A value of rank >= 1 leaves as its replica's block of a concatenation (no reshape: see
+        # PerReplica); only scalars gain the leading replica axis.
+        return jax.tree.unflatten(out_def, [x if x.ndim else x[None] for x in leaves])
 
     in_specs = tuple(jax.P() if k == _REP else split for k in kinds if k != _STATIC)
     mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=split,
                            check_vma=False)
+
+    def program(*vals):
+        leaves, out_def = jax.tree.flatten(mapped(*vals))
+        # Wrapped inside the compiled function, so jit's C++ path builds the PerReplica values.
+        return jax.tree.unflatten(out_def, [
+            PerReplica._from_blocks(x, n) if rank else PerReplica(x)
+            for x, rank in zip(leaves, out_ranks)])
+
     with replica.enter(layout.context(per_replica=True)):
         jax.eval_shape(mapped, *values)
     keeps_state = traced_returns_state[-1]
@@ -202,8 +307,9 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
     # function hands back a new state in its place: its buffers hold the new state.
     value_kinds = [k for k in kinds if k != _STATIC]
     first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
-    donate = tuple(i for i in range(first_values) if value_kinds[i] == _PER) if keeps_state else ()
-    return jax.jit(mapped, donate_argnums=donate), keeps_state
+    donate = tuple(i for i in range(first_values)
+                   if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
+    return jax.jit(program, donate_argnums=donate), keeps_state
 
 
 # --- reading per-replica values --------------------------------------------------------------------
@@ -230,7 +336,7 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
     leaves, treedef, per = _split_nest(value)
     if not per:
         return jax.tree.map(lambda x: _plain_reduce(layout, op, x, axis), value)
-    reduced = _reduce_stacked(op.value, axis, layout.replicated, [leaves[i].stacked for i in per])
+    reduced = _reduce_stacked(op.value, axis, layout.replicated, [leaves[i] for i in per])
     out = [_plain_reduce(layout, op, x, axis) if not isinstance(x, PerReplica) else None
            for x in leaves]
     for i, r in zip(per, reduced):
@@ -239,7 +345,7 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stacked):
+def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, values):
     def one(x):
         if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
             raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
@@ -250,7 +356,7 @@ def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, stac
             total = total / np.prod([x.shape[a] for a in axes])
         return jax.lax.with_sharding_constraint(total, out_sharding)
 
-    return jax.tree.map(one, stacked)
+    return jax.tree.map(one, [v.stacked for v in values])
 
 
 def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
@@ -261,7 +367,7 @@ def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
         raise ValueError(
             f"strategy.gather got a value that is not per-replica; with {layout.num_replicas} "
             "replicas only the PerReplica values returned by strategy.run can be gathered")
-    gathered = _gather_stacked(int(axis), layout.replicated, [leaves[i].stacked for i in per])
+    gathered = _gather_stacked(int(axis), layout.replicated, [leaves[i] for i in per])
     out = list(leaves)
     for i, g in zip(per, gathered):
         out[i] = g
@@ -269,7 +375,7 @@ def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _gather_stacked(axis: int, out_sharding: NamedSharding, stacked):
+def _gather_stacked(axis: int, out_sharding: NamedSharding, values):
     def one(x):
         ndim = x.ndim - 1
         if not -ndim <= axis < ndim:
@@ -283,7 +389,7 @@ def _gather_stacked(axis: int, out_sharding: NamedSharding, stacked):
         shape = moved.shape[:a] + (moved.shape[a] * moved.shape[a + 1],) + moved.shape[a + 2:]
         return jax.lax.with_sharding_constraint(moved.reshape(shape), out_sharding)
 
-    return jax.tree.map(one, stacked)
+    return jax.tree.map(one, [v.stacked for v in values])
 
 
 def local_results(layout: Layout, value: PyTree) -> tuple:
@@ -293,9 +399,11 @@ def local_results(layout: Layout, value: PyTree) -> tuple:
     devices = layout.local_devices
     columns: dict[int, list] = {}
     for i in per:
-        arrays, sub = jax.tree.flatten(leaves[i].stacked)
+        arrays, sub = jax.tree.flatten(leaves[i]._value)
         shards = [{s.device: s.data for s in a.addressable_shards} for a in arrays]
-        columns[i] = [jax.tree.unflatten(sub, [by_device[d][0] for by_device in shards])
+        # A concatenation's shard is its replica's value; a stack's is that value with an axis.
+        own = (lambda x: x) if leaves[i]._blocks else (lambda x: x[0])
+        columns[i] = [jax.tree.unflatten(sub, [own(by_device[d]) for by_device in shards])
                       for d in devices]
     return tuple(jax.tree.unflatten(treedef, [columns[i][r] if i in columns else x
                                               for i, x in enumerate(leaves)])
@@ -304,7 +412,7 @@ def local_results(layout: Layout, value: PyTree) -> tuple:
 
 def to_mirrored(layout: Layout, value: PyTree, *, check: bool = False) -> PyTree:
     leaves, treedef, per = _split_nest(value)
-    stacks = [_check_stack(layout, leaves[i].stacked) for i in per]
+    stacks = [_placed(layout, leaves[i]) for i in per]
     if check and stacks:
         _check_agree(layout, treedef, leaves, per, stacks)
     mirrored = _unstack(layout.mesh, layout.data_axes)(stacks) if stacks else []
@@ -321,18 +429,21 @@ def _unstack(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> Callable:
     ``out_specs=P()`` with ``check_vma=False`` declares the outputs replicated without checking:
     no collective runs, each device keeps what it has. Callers vouch that the entries agree.
     """
-    return jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda x: x[0], t), mesh=mesh,
-                                 in_specs=jax.P(data_axes), out_specs=jax.P(), check_vma=False))
+    def own(values):  # each device's block of a concatenation, or its entry of a stack
+        return [v._value if v._blocks else jax.tree.map(lambda x: x[0], v._value) for v in values]
+
+    return jax.jit(jax.shard_map(own, mesh=mesh, in_specs=jax.P(data_axes), out_specs=jax.P(),
+                                 check_vma=False))
 
 
 @jax.jit
-def _agree(stacks):
+def _agree(values):
     def one(x):
         if jnp.issubdtype(x.dtype, jnp.floating):  # bitwise, so that NaN agrees with NaN
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
         return jnp.all(x == x[:1])
 
-    return [one(x) for x in jax.tree.leaves(stacks)]
+    return [one(x) for x in jax.tree.leaves([v.stacked for v in values])]
 
 
 def _check_agree(layout, treedef, leaves, per, stacks) -> None:
@@ -340,8 +451,8 @@ def _check_agree(layout, treedef, leaves, per, stacks) -> None:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         jax.tree.unflatten(treedef, leaves), is_leaf=is_per_replica)[0]]
     flat_paths = []
-    for i, stacked in zip(per, stacks):
-        for sub, _ in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+    for i, value in zip(per, stacks):
+        for sub, _ in jax.tree_util.tree_flatten_with_path(value._value)[0]:
             flat_paths.append(paths[i] + jax.tree_util.keystr(sub))
     bad = [p or "value" for p, ok in zip(flat_paths, flags) if not ok]
     if bad:

@@ -109,7 +109,7 @@ def test_per_replica_state_feeds_back_on_device_without_copies(n):
     s = _mirrored(n)
     state, batch, x = _toy_state_and_batch(s)
     state, loss = s.run(_toy_step, args=(state, batch))
-    old_w = state["w"].stacked
+    (old_w,) = jax.tree.leaves(state["w"])  # the array the PerReplica holds (its pytree leaf)
     # Nothing may move between host and device, or between devices, once the state is per-replica.
     with jax.transfer_guard("disallow"):
         state, loss = s.run(_toy_step, args=(state, batch))

@@ -111,3 +111,13 @@ def test_plain_arrays_are_copied_to_every_replica_even_if_laid_out_on_the_batch_
     v = jax.device_put(np.arange(8.0, dtype=np.float32), s.layout.batch)
     out = s.run(lambda v: v.shape[0] * jnp.ones(()), args=(v,))
     assert [float(r) for r in s.local_results(out)] == [8.0] * 4
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_all_reduce_refuses_an_integer_mean_on_one_replica_as_on_many(n):
+    # One replica skips the collective, not the check: code that fails on 8 devices fails on 1.
+    s = _strategy("mirrored", n)
+    with pytest.raises(TypeError, match="integer leaf"):
+        s.run(lambda: jaxdist.all_reduce({"k": jnp.int32(3)}, "mean"))
+    out = s.run(lambda: jaxdist.all_reduce({"k": jnp.int32(3)}, "sum"))
+    assert [int(v["k"]) for v in s.local_results(out)] == [3 * n] * n
