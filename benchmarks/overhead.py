@@ -112,7 +112,7 @@ def main() -> None:
         with dataset.iterator(epoch=0) as it:
             for _, batch in zip(range(steps), it):
                 state, m = ours_masked(state, batch)
-        stalls.append(it.stall_s)
+        stalls.append(getattr(it, "stall_s", float("nan")))  # nan: a jaxdist before stall_s
         return state, m
 
     def fit(state, steps):
