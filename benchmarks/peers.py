@@ -536,6 +536,7 @@ def main(argv=None) -> int:
         import tempfile
 
         args.log_dir = tempfile.mkdtemp(prefix="jaxdist-peers-")
+    os.makedirs(args.log_dir, exist_ok=True)  # the README's command names one that may not exist
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS] + [
         m for m in args.models.split(",") if m not in MODELS] + [
