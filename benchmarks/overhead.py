@@ -9,7 +9,8 @@ The per-replica loop is the README's: `state, m = strategy.run(step, args=(state
 state staying per-replica between steps. `masked` is the global view of the step that `distribute`
 batches need (`compute_average_loss` over `batch.mask`) on pre-placed batches: the step's own cost,
 without the input pipeline. The `distribute` loop and `fit` take their batches from
-`strategy.distribute` (host arrays -> device, prefetch thread) instead of pre-placed ones; `fit`
+`strategy.distribute` (host arrays -> device; for in-memory arrays each batch is made on the loop's
+thread by default, `distribute_thread` makes them on a prefetch thread) instead of pre-placed ones; `fit`
 also reads metrics and runs its callbacks: they are what users run. `hand_fed` is the hand-written
 step fed the same batches from host arrays with `jax.device_put` each step: the input cost a
 hand-written loop pays too; the fed loops are also printed against it.
@@ -105,15 +106,19 @@ def main() -> None:
     order = np.concatenate([np.arange(x.shape[0])[k % 4::4] for k in range(args.steps)])
     xo, yo = x[order], y[order]
     dataset = strategy.distribute((xo, yo), args.batch)
+    thread_dataset = strategy.distribute((xo, yo), args.batch, prefetch=2)
 
     stalls: list[float] = []  # the distribute loop's waits for its input, per timed window
 
-    def distribute_fed(state, steps):
+    def distribute_fed(state, steps, dataset=dataset):
         with dataset.iterator(epoch=0) as it:
             for _, batch in zip(range(steps), it):
                 state, m = ours_masked(state, batch)
         stalls.append(getattr(it, "stall_s", float("nan")))  # nan: a jaxdist before stall_s
         return state, m
+
+    def distribute_thread(state, steps):  # batches made ahead on a prefetch thread (prefetch=2)
+        return distribute_fed(state, steps, thread_dataset)
 
     def fit(state, steps):
         history = jaxdist.fit(ours_masked, state, dataset, epochs=1, steps_per_epoch=steps,
@@ -146,12 +151,13 @@ def main() -> None:
               "global": strategy.put(make_state()),
               "per_replica": make_state(), "masked": strategy.put(make_state()),
               "distribute": strategy.put(make_state()),
+              "distribute_thread": strategy.put(make_state()),
               "fit": strategy.put(make_state())}
     loops = {"hand": loop_over(hand, hand_batches, sync_every=8), "hand_fed": hand_fed,
              "global": loop_over(ours, our_batches),
              "per_replica": loop_over(per_replica, our_batches),
              "masked": loop_over(ours_masked, masked_batches),
-             "distribute": distribute_fed, "fit": fit}
+             "distribute": distribute_fed, "distribute_thread": distribute_thread, "fit": fit}
     names = [n for n in loops if n in args.loops]
 
     def timed(name):

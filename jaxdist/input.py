@@ -51,8 +51,15 @@ class DistributedDataset:
 
     def __init__(self, strategy: Any, data: Any, global_batch_size: int, *,
                  shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
-                 prefetch: int = 2, auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
+                 prefetch: int | None = None,
+                 auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
                  sync_timeout_s: float = 300.0):
+        in_memory = isinstance(data, (tuple, dict, np.ndarray, jax.Array))
+        if prefetch is None:
+            # In-memory rows cost one gather and an asynchronous transfer, less than handing them
+            # over from a thread (benchmarks/overhead.py: distribute_thread); an iterable's batches
+            # may take real time to make, so a thread makes them while the devices compute.
+            prefetch = 0 if in_memory else 2
         self._setup(strategy, global_batch_size, prefetch, sync_timeout_s)
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         policy = AutoShardPolicy(auto_shard_policy)
@@ -64,7 +71,7 @@ class DistributedDataset:
                 f"batches, so this would be read as {len(data)} batches of one array each. For a "
                 "dataset of features and labels pass a tuple (x, y) or a dict; for batches of a "
                 "single array pass iter(batches) or a generator function")
-        if isinstance(data, (tuple, dict, np.ndarray, jax.Array)):
+        if in_memory:
             if policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF):
                 raise ValueError(
                     f"auto_shard_policy={policy} applies to iterable sources; in-memory arrays are "
@@ -107,8 +114,9 @@ class DistributedDataset:
             raise ValueError(
                 f"global_batch_size={global_batch_size} does not divide over the {n} replicas of "
                 f"{type(strategy).__name__}; use a multiple of {n} such as {lo or n} or {lo + n}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (0: batches are made by the loop's own "
+                             f"thread when it asks for them), got {prefetch!r}")
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s!r}")
         self.strategy = strategy
@@ -293,8 +301,34 @@ class _Producer:
             self.thread.join(timeout)
 
 
+class _Inline:
+    """``prefetch=0``: each batch is made on the caller's thread when ``next()`` asks for it."""
+
+    def __init__(self, batches: Iterator, to_device: Callable, stop: threading.Event):
+        self._batches, self._to_device, self.stop = batches, to_device, stop
+
+    def make(self):
+        if self._batches is None:
+            return _DONE
+        try:
+            return self._to_device(next(self._batches))
+        except StopIteration:
+            self.shutdown()
+            return _DONE
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        batches, self._batches, self._to_device = self._batches, None, None
+        if batches is not None and hasattr(batches, "close"):
+            batches.close()  # a generator's finally blocks (exchanges, files) run now
+
+
 class DistributedIterator:
-    """An epoch of ``Batch`` values, prepared ``prefetch`` batches ahead on a background thread.
+    """An epoch of ``Batch`` values, prepared ``prefetch`` batches ahead on a background thread
+    (with ``prefetch=0``, made on the caller's thread when asked for).
 
     ``state()`` is ``{"epoch": e, "position": k}`` (batches handed out so far), enough to resume
     at exactly the next batch via ``dataset.iterator(**state)``. ``last_num_real`` is the number of
@@ -306,12 +340,13 @@ class DistributedIterator:
     def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
         self.epoch, self.position = epoch, position
         self.last_num_real = 0
-        self.stall_s = 0.0  # time spent waiting for the prefetch thread: the input pipeline's stall
+        self.stall_s = 0.0  # time next() spent waiting for (or making) a batch: the input's stall
         # The run number is taken here, on the caller's thread, so that processes creating
         # iterators in the same order name the same exchange.
         stop = threading.Event()
         batches = dataset._host_batches(epoch, position, next(dataset._runs), stop)
-        self._producer = _Producer(batches, dataset._to_device, dataset._prefetch, stop)
+        self._producer = (_Producer(batches, dataset._to_device, dataset._prefetch, stop)
+                          if dataset._prefetch else _Inline(batches, dataset._to_device, stop))
 
     def __iter__(self):
         return self
@@ -320,12 +355,12 @@ class DistributedIterator:
         producer = self._producer
         if producer.stop.is_set():
             raise StopIteration
-        try:
-            item = producer.queue.get_nowait()
-        except queue.Empty:
+        if isinstance(producer, _Inline):  # made here and now: all of its time is the loop's wait
             waited_from = time.perf_counter()
-            item = self._wait(producer)
+            item = producer.make()
             self.stall_s += time.perf_counter() - waited_from
+        else:
+            item = self._next_prefetched(producer)
         if item is _DONE:
             self.close()
             raise StopIteration
@@ -335,6 +370,15 @@ class DistributedIterator:
         batch, self.last_num_real = item
         self.position += 1
         return batch
+
+    def _next_prefetched(self, producer: _Producer):
+        try:
+            return producer.queue.get_nowait()
+        except queue.Empty:
+            waited_from = time.perf_counter()
+            item = self._wait(producer)
+            self.stall_s += time.perf_counter() - waited_from
+            return item
 
     @staticmethod
     def _wait(producer: _Producer):

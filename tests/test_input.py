@@ -266,3 +266,46 @@ def test_iterator_reports_how_long_it_waited_for_the_pipeline():
         before = it.stall_s
         assert [float(b.data["x"][0]) for b in it] == [2.0]
         assert it.stall_s == before
+
+
+@pytest.mark.parametrize("source", ["arrays", "iterable"])
+def test_batches_made_on_the_loop_thread_equal_prefetched_ones(source):
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+    x, y = np.arange(44, dtype=np.float32).reshape(22, 2), np.arange(22)
+    data = (x, y) if source == "arrays" else (lambda: ((x[i:i + 8], y[i:i + 8])
+                                                       for i in range(0, 22, 8)))
+    kw = {"shuffle": True, "seed": 3} if source == "arrays" else {}
+
+    def epoch(prefetch, **where):
+        dist = s.distribute(data, 8, prefetch=prefetch, **kw)
+        with dist.iterator(epoch=1, **where) as it:
+            return [(np.asarray(b.data[0]), np.asarray(b.data[1]), np.asarray(b.mask), it.position)
+                    for b in it]
+
+    before = len(_prefetch_threads())
+    inline = epoch(0)
+    assert len(_prefetch_threads()) == before  # no thread was started
+    for a, b in zip(inline, epoch(2), strict=True):
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
+    assert [m.sum() for _, _, m, _ in inline] == [8, 8, 6]
+    assert [p for *_, p in epoch(0, position=1)] == [2, 3]  # resumes after the first batch
+
+
+def test_in_memory_data_is_made_on_the_loop_thread_by_default_and_errors_surface():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    assert s.distribute((np.arange(8),), 4)._prefetch == 0
+    assert s.distribute(lambda: iter([(np.arange(4),)]), 4)._prefetch == 2
+
+    def broken():
+        yield (np.arange(4),)
+        raise OSError("disk gone")
+
+    it = iter(s.distribute(broken, 4, prefetch=0))
+    assert np.asarray(next(it).data[0]).tolist() == [0, 1, 2, 3]
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+    with pytest.raises(StopIteration):  # a failed iterator is closed
+        next(it)
+    with pytest.raises(ValueError, match=r"prefetch must be an int >= 0"):
+        s.distribute((np.arange(8),), 4, prefetch=-1)

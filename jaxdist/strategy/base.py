@@ -129,7 +129,7 @@ class MeshStrategy(Strategy):
         return layout.put_state(tree)
 
     def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                   drop_remainder: bool = False, prefetch: int = 2,
+                   drop_remainder: bool = False, prefetch: int | None = None,
                    auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
                    sync_timeout_s: float = 300.0):
         """Shards ``data`` into global batches laid out on the replicas.
@@ -146,7 +146,10 @@ class MeshStrategy(Strategy):
           seed: shuffling seed.
           drop_remainder: drop a final partial batch instead of padding it (padded rows carry
             ``mask == False``, so no example is dropped or counted twice either way).
-          prefetch: batches prepared ahead on a background thread (bounded).
+          prefetch: batches prepared ahead on a background thread (bounded); ``0`` makes each batch
+            on the loop's thread when it is asked for. Default: ``0`` for in-memory arrays (a
+            gather and an asynchronous transfer per batch, cheaper than a thread's hand-over), ``2``
+            for an iterable, whose batches may take time to make.
           auto_shard_policy: how several processes split an iterable source
             (``jaxdist.AutoShardPolicy``: ``AUTO`` = ``FILE`` for a source with ``shard(index,
             count)`` such as ``jaxdist.FileSource``, else ``DATA``; ``OFF``); tf's meanings.
