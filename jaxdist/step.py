@@ -31,8 +31,9 @@ class InFlight:
 
     JAX dispatches asynchronously, so a plain ``for`` loop over a compiled step queues steps as fast
     as Python can issue them. After each step this keeps a handle on one of its outputs that the
-    next step will not consume, and waits for the step ``max_in_flight`` calls back, which in a busy
-    loop has finished long ago (the wait costs nothing) and otherwise holds Python back. All outputs
+    next step will not consume; once more than ``max_in_flight`` steps are pending it waits for the
+    one half a window back (so at most ``max_in_flight`` steps are ever queued behind the newest,
+    and Python wakes once per half window rather than once per step). All outputs
     of one execution become ready together, so one leaf stands for the whole step. A step whose
     outputs are all donated to the next one leaves no such handle: then every ``max_in_flight``-th
     step is waited for before its outputs are handed back.
@@ -52,7 +53,13 @@ class InFlight:
                 jax.block_until_ready(consumed)
             return
         self._pending.append(handle)
-        while len(self._pending) > self.max_in_flight:
+        if len(self._pending) > self.max_in_flight:
+            # Wait for the step half the window back, not the oldest: one wake-up per half window
+            # instead of one per step (each wake-up takes a core from the devices' threads on a
+            # small CPU host), and between max_in_flight / 2 and max_in_flight steps stay queued.
+            keep = max(1, self.max_in_flight // 2)
+            while len(self._pending) > keep + 1:
+                self._pending.popleft()
             old = self._pending.popleft()
             if not old.is_deleted():  # a caller may have donated it to a step of its own
                 old.block_until_ready()

@@ -33,3 +33,33 @@ def test_in_flight_bound_is_validated():
     for bad in (0, 33, 2.5, True):
         with pytest.raises(ValueError, match=r"max_in_flight=.* must be an int in \[1, 32\]"):
             s.step(lambda st, b: (st, {}), max_in_flight=bad)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3, 8, 32])
+def test_in_flight_never_leaves_more_than_the_bound_queued_and_waits_once_per_half_window(
+        max_in_flight):
+    from jaxdist.step import InFlight
+
+    class Step:  # stands for one dispatched step's output; "done" once waited for
+        def __init__(self, k):
+            self.k, self.done = k, False
+
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            waited.append(self.k)
+            for s in steps:  # a step finishing means every earlier one has finished
+                s.done = s.done or s.k <= self.k
+
+    waited, steps = [], []
+    bound = InFlight(max_in_flight)
+    for k in range(200):
+        steps.append(Step(k))
+        bound.add(steps[-1], ())
+        running = sum(not s.done for s in steps[:-1])  # queued behind the newest step
+        assert running <= max_in_flight
+    assert waited == sorted(waited)
+    gaps = set(np.diff(waited).tolist())
+    keep = max(1, max_in_flight // 2)  # left queued after a wait; the next wait comes when full
+    assert gaps == {max_in_flight + 1 - keep}, gaps
