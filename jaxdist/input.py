@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 class _Host(NamedTuple):
-    """A global batch on the host: this process's rows of it and of the mask, and the number of
-    real rows in the whole global batch."""
+    """A global batch on the host: this process's rows of it, the mask (of the whole global batch
+    when this process knows it, else of its own rows), and the number of real rows in the whole
+    global batch."""
 
     local: PyTree
     mask: np.ndarray
@@ -212,25 +213,38 @@ class DistributedDataset:
     def _pad(self, idx: np.ndarray, rows: slice, take: Callable) -> _Host:
         gb, real = self.global_batch_size, len(idx)
         full_idx = np.resize(idx, gb) if real < gb else idx  # pads with copies of real rows
-        mask = np.arange(gb) < real
-        return _Host(take(full_idx[rows]), mask[rows], real)
+        return _Host(take(full_idx[rows]), np.arange(gb) < real, real)
 
     def _to_device(self, host: _Host):
-        sharding, gb = self.strategy.layout.batch, self.global_batch_size
+        layout, gb = self.strategy.layout, self.global_batch_size
+        # A mask of the whole global batch is replicated (Layout.mask_sharding says why); a
+        # process that only knows its own rows' mask (FILE / OFF pipelines) shards it.
+        mask_sharding = layout.replicated if len(host.mask) == gb else layout.batch
         if host.num_real == gb:  # every row is real: the mask is the same every full batch
             if self._full_mask is None:
-                self._full_mask = self._put(sharding, np.ones(len(host.mask), bool))
-            return Batch(self._put(sharding, host.local), self._full_mask), gb
-        return Batch(*self._put(sharding, (host.local, host.mask))), host.num_real
+                self._full_mask = self._put(mask_sharding, np.ones(len(host.mask), bool))
+            return Batch(self._put(layout.batch, host.local), self._full_mask), gb
+        data, mask = self._put((layout.batch, mask_sharding), (host.local, host.mask))
+        return Batch(data, mask), host.num_real
 
     def _put(self, sharding, tree):
         """Host rows of a global batch -> global arrays: one batched transfer of the whole tree in a
-        single process (cheaper than an array at a time), the process-local assembly otherwise."""
+        single process (cheaper than an array at a time), the process-local assembly otherwise.
+        ``sharding`` is one sharding, or a tuple of them matching ``tree``'s top level."""
+        if isinstance(sharding, tuple):
+            sharding = tuple(jax.tree.map(lambda _, s=s: s, part) for s, part in zip(sharding, tree))
+        else:
+            sharding = jax.tree.map(lambda _: sharding, tree)
         if jax.process_count() == 1:
             return jax.device_put(tree, sharding)
         gb = self.global_batch_size
-        return jax.tree.map(lambda local: jax.make_array_from_process_local_data(
-            sharding, local, (gb,) + local.shape[1:]), tree)
+
+        def assemble(local, where):
+            if where.is_fully_replicated:  # every process holds the whole value
+                return jax.make_array_from_process_local_data(where, local, local.shape)
+            return jax.make_array_from_process_local_data(where, local, (gb,) + local.shape[1:])
+
+        return jax.tree.map(assemble, tree, sharding)
 
 
 # XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist import replica
 from jaxdist._datacheck import check_fits_jax_dtype
 from jaxdist._types import PyTree
+from jaxdist.values import Batch
 
 
 def _identity_step(fn: Callable) -> Callable:
@@ -118,11 +119,36 @@ class Layout:
 
     def put_batch(self, batch: PyTree) -> PyTree:
         """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same
-        values on every process); leaves already there are kept."""
+        values on every process); leaves already there are kept, and so is a ``Batch`` mask that
+        is already replicated (what ``distribute`` makes: see ``mask_sharding``)."""
         if all(placed_on(x, self.batch) for x in jax.tree.leaves(batch)):
             return batch
+        if isinstance(batch, Batch) and self.mask_sharding(batch.mask) is self.replicated:
+            data = self.put_batch(batch.data)
+            return batch if data is batch.data else Batch(data, batch.mask)
         check_batch_leaves(batch, self.num_replicas, what="batch")
         return place_all(batch, self.batch)
+
+    def mask_sharding(self, mask: Any) -> NamedSharding:
+        """Where a ``Batch`` mask is laid out: replicated when it was placed so, else on the batch.
+
+        ``distribute`` replicates the mask (a byte a row) whenever every process knows the whole
+        global batch's mask: then ``sum(mask)``, the count ``compute_average_loss`` divides by, is
+        computed on every device without a collective, so a masked step has one all-reduce (the
+        gradients', with the loss) instead of two, the first of them on the critical path before
+        the backward pass (measured: 0.93 -> 0.97 of an unmasked step on 8 CPU devices).
+        """
+        if (isinstance(mask, jax.Array) and placed_on(mask, self.replicated)
+                and not (self.num_replicas == 1 and placed_on(mask, self.batch))):
+            return self.replicated
+        return self.batch
+
+    def batch_shardings(self, batch: PyTree) -> PyTree:
+        """The sharding of every leaf of a (placed) global batch, for a compiled step's inputs."""
+        if isinstance(batch, Batch) and batch.mask is not None:
+            return Batch(jax.tree.map(lambda _: self.batch, batch.data),
+                         jax.tree.map(lambda _: self.mask_sharding(batch.mask), batch.mask))
+        return jax.tree.map(lambda _: self.batch, batch)
 
 
 def placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxdist import replica
 from jaxdist._types import PyTree
+from jaxdist.values import Batch
 
 MAX_IN_FLIGHT = 32
 """The most steps a loop may keep queued: on XLA:CPU with several devices, ~100 queued steps with
@@ -113,7 +114,8 @@ class DistributedStep:
         layout = self.strategy.layout
         state = self.strategy.put(state)
         batch = layout.put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
-        key = (jax.tree.structure(state), jax.tree.structure(batch))
+        mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
+        key = (jax.tree.structure(state), jax.tree.structure(batch), mask_at)
         entry = self._compiled.get(key)
         if entry is None:
             entry = self._compiled[key] = self._build(state, batch)
@@ -129,7 +131,7 @@ class DistributedStep:
     def _build(self, state: PyTree, batch: PyTree) -> tuple[Callable, bool]:
         layout = self.strategy.layout
         state_sh = layout.state_shardings(state)
-        batch_sh = jax.tree.map(lambda _: layout.batch, batch)
+        batch_sh = layout.batch_shardings(batch)
         fn = layout.adapt_step(self._fn)
         with replica.enter(layout.context(per_replica=False)):
             out = jax.eval_shape(fn, state, batch)

@@ -16,9 +16,11 @@ from jaxdist._types import PyTree
 class Batch(NamedTuple):
     """One global batch: ``data`` (the pytree the dataset yields) and ``mask`` (bool ``[batch]``).
 
-    Both are ``jax.Array``\\ s sharded over the replicas along their first axis. ``mask[i]`` is False
-    for padding rows added to complete a final partial batch; pass it to
-    ``jaxdist.compute_average_loss`` and use it in metrics.
+    ``data`` is sharded over the replicas along its first axis. ``mask[i]`` is False for padding
+    rows added to complete a final partial batch; pass it to ``jaxdist.compute_average_loss`` and
+    use it in metrics. ``distribute`` replicates the mask on every device when each process knows
+    the whole global batch (the count of real rows then costs no collective), and shards it like
+    the data otherwise; a step reads it the same way either way.
     """
 
     data: PyTree

@@ -62,7 +62,7 @@ def test_each_step_takes_one_per_replica_batch_per_replica(n):
     batches = list(ds)
     assert len(seen_ctx) == 1  # called once; the list is read again for every epoch
     first = batches[0]
-    assert first.data[0].sharding == s.layout.batch and first.mask.sharding == s.layout.batch
+    assert first.data[0].sharding == s.layout.batch and first.mask.sharding == s.layout.replicated
     # Row block r of the global batch is replica r's per-replica batch.
     np.testing.assert_array_equal(np.asarray(first.data[0]), np.arange(4 * n))
     ids, steps, reals = _epoch(ds)

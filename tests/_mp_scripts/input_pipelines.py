@@ -26,9 +26,14 @@ step = s.step(lambda w, b: (w, {"sum": jnp.sum(jnp.where(b.mask, b.data[0], 0)),
 result: dict = {"rank": me}
 
 
-def local(x):
-    """This process's rows of a global array, in order."""
-    shards = sorted(x.addressable_shards, key=lambda sh: sh.index[0].start or 0)
+def local(x, rows_of=None):
+    """This process's rows of a global array, in order; a replicated array (a mask ``distribute``
+    replicates) gives the rows ``rows_of``'s shards hold."""
+    shards = sorted((rows_of if x.is_fully_replicated and rows_of is not None else x)
+                    .addressable_shards, key=lambda sh: sh.index[0].start or 0)
+    if x.is_fully_replicated and rows_of is not None:
+        whole = np.asarray(x.addressable_data(0))
+        return np.concatenate([whole[sh.index[0]] for sh in shards])
     return np.concatenate([np.asarray(sh.data) for sh in shards])
 
 
@@ -38,7 +43,7 @@ def epoch(ds, **kw):
     w = jnp.zeros(())
     with (ds.iterator(**kw) if kw else iter(ds)) as it:
         for b in it:
-            mask = local(b.mask)
+            mask = local(b.mask, rows_of=b.data[0])
             ids.extend(local(b.data[0])[mask].tolist())
             reals.append(it.last_num_real)
             w, m = step(w, b)
