@@ -37,3 +37,39 @@ def test_per_replica_run_compiles_once(count_compiles):
         total = sum(float(s.local_results(s.run(fn, args=(b,)))[0]) for b in dist)
     assert total == sum(range(40))
     assert compiles() == 0
+
+
+def test_a_masked_step_on_distribute_batches_has_the_collectives_of_an_unmasked_one():
+    # The count compute_average_loss divides by comes from the replicated mask without a
+    # collective, so the step's only all-reduce is the gradients' (with the loss in it).
+    import optax
+
+    from jaxdist.collectives import _count_collectives
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:8])
+    x = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    y = np.arange(64) % 3
+
+    def make(masked):
+        def step(state, batch):
+            (xb, yb), mask = batch
+
+            def loss_fn(p):
+                per = optax.softmax_cross_entropy_with_integer_labels(
+                    state.apply_fn({"params": p}, xb), yb)
+                return jaxdist.compute_average_loss(per, mask) if masked else per.mean()
+
+            loss, g = jax.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(grads=g), {"loss": loss}
+        return s.step(step)
+
+    batch = next(iter(s.distribute((x, y), 32)))
+    counts = {}
+    for masked in (False, True):
+        step = make(masked)
+        state = s.put(models.create_train_state(models.MLP(hidden=(8,), num_classes=3), x[:1]))
+        step(state, batch)
+        (compiled, _), = step._compiled.values()
+        text = compiled.lower(state, batch).compile().as_text()
+        counts[masked] = _count_collectives(text)["all-reduce"]
+    assert counts[True] == counts[False] == 1, counts
