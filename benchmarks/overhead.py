@@ -136,7 +136,7 @@ def main() -> None:
 
     hand_batches = [jax.device_put((x[i::4], y[i::4]), dat) for i in range(4)]
     our_batches = [ours.strategy.layout.put_batch((x[i::4], y[i::4])) for i in range(4)]
-    full_mask = strategy.layout.put_batch(np.ones(args.batch, bool))
+    full_mask = next(iter(dataset)).mask  # placed as distribute places it (replicated)
     masked_batches = [jaxdist.Batch(b, full_mask) for b in our_batches]
     def loop_over(fn, batches, sync_every=None):
         def run(state, steps):
