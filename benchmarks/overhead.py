@@ -204,8 +204,9 @@ def main() -> None:
             ratios = [o / h for o, h in zip(rows[n], rows["hand_fed"])]
             print(f"{n} / hand-written fed from host arrays: median {statistics.median(ratios):.3f}")
     if stall_share:
-        print(f"distribute loop: share of its time spent waiting for input: median "
-              f"{statistics.median(stall_share):.1%} (target < 5%)")
+        print(f"distribute loop: share of its time spent in next() (making a batch of in-memory "
+              f"arrays on the loop's thread, or waiting for the prefetch thread): median "
+              f"{statistics.median(stall_share):.1%}")
     # CPU time is what a loop's host work takes from the cores the devices compute on; it is less
     # disturbed than wall time when other jobs share the machine.
     for n in names[1:]:
