@@ -15,7 +15,7 @@ also reads metrics and runs its callbacks: they are what users run. `hand_fed` i
 step fed the same batches from host arrays with `jax.device_put` each step: the input cost a
 hand-written loop pays too; the fed loops are also printed against it.
 
-    python benchmarks/overhead.py [--devices 8] [--reps 7] [--steps 64] [--loops global fit ...]
+    python benchmarks/overhead.py [--devices 8] [--reps 24] [--steps 64] [--loops global fit ...]
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=24,
+                    help="interleaved repetitions (24: medians stable to about +-2%% here)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--loops", nargs="+",
