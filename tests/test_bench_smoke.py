@@ -1,0 +1,35 @@
+"""``benchmarks/overhead.py`` and ``benchmarks/cnn_pool.py``: their plumbing, no figure.
+
+Both benchmarks also check that what they time computes the same thing (every loop of overhead.py
+ends with the hand-written loop's parameters; the two poolings of cnn_pool.py train alike), so a
+short run here guards that too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import REPO, run_python
+
+pytestmark = [pytest.mark.slow]
+
+
+def test_overhead_bench_times_every_loop_and_prints_ratios():
+    proc = run_python([os.path.join(REPO, "benchmarks", "overhead.py"), "--devices", "2",
+                       "--reps", "2", "--steps", "3", "--batch", "32"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for loop in ("global", "per_replica", "masked", "hand_fed", "distribute", "fit"):
+        assert f"{loop} / hand-written steps/s: min" in proc.stdout, loop
+    assert "distribute / hand-written fed from host arrays: median" in proc.stdout
+
+
+def test_cnn_pool_bench_compares_both_poolings_per_device_count():
+    proc = run_python([os.path.join(REPO, "benchmarks", "cnn_pool.py"), "--devices", "1", "2",
+                       "--reps", "2", "--steps", "1", "--batch", "16"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "devices" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+    for r in rows:
+        float(r.split("|")[4].split()[0])  # a speed-up, not a failure
