@@ -230,11 +230,7 @@ class DistributedDataset:
     def _put(self, sharding, tree):
         """Host rows of a global batch -> global arrays: one batched transfer of the whole tree in a
         single process (cheaper than an array at a time), the process-local assembly otherwise.
-        ``sharding`` is one sharding, or a tuple of them matching ``tree``'s top level."""
-        if isinstance(sharding, tuple):
-            sharding = tuple(jax.tree.map(lambda _, s=s: s, part) for s, part in zip(sharding, tree))
-        else:
-            sharding = jax.tree.map(lambda _: sharding, tree)
+        ``sharding`` is one sharding or a pytree prefix of ``tree`` of them."""
         if jax.process_count() == 1:
             return jax.device_put(tree, sharding)
         gb = self.global_batch_size
@@ -244,7 +240,7 @@ class DistributedDataset:
                 return jax.make_array_from_process_local_data(where, local, local.shape)
             return jax.make_array_from_process_local_data(where, local, (gb,) + local.shape[1:])
 
-        return jax.tree.map(assemble, tree, sharding)
+        return jax.tree.map(assemble, tree, jax.tree.broadcast(sharding, tree))
 
 
 # XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and
@@ -321,9 +317,7 @@ class _Inline:
     def __init__(self, batches: Iterator, to_device: Callable, stop: threading.Event):
         self._batches, self._to_device, self.stop = batches, to_device, stop
 
-    def make(self):
-        if self._batches is None:
-            return _DONE
+    def make(self):  # never called once shut down: next() checks ``stop`` first
         try:
             return self._to_device(next(self._batches))
         except StopIteration:

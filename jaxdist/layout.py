@@ -138,8 +138,8 @@ class Layout:
         gradients', with the loss) instead of two, the first of them on the critical path before
         the backward pass (measured: 0.93 -> 0.97 of an unmasked step on 8 CPU devices).
         """
-        if (isinstance(mask, jax.Array) and placed_on(mask, self.replicated)
-                and not (self.num_replicas == 1 and placed_on(mask, self.batch))):
+        # With one replica the two layouts are the same one; the batch's is kept, as before.
+        if self.num_replicas > 1 and placed_on(mask, self.replicated):
             return self.replicated
         return self.batch
 
@@ -147,7 +147,7 @@ class Layout:
         """The sharding of every leaf of a (placed) global batch, for a compiled step's inputs."""
         if isinstance(batch, Batch) and batch.mask is not None:
             return Batch(jax.tree.map(lambda _: self.batch, batch.data),
-                         jax.tree.map(lambda _: self.mask_sharding(batch.mask), batch.mask))
+                         self.mask_sharding(batch.mask))
         return jax.tree.map(lambda _: self.batch, batch)
 
 

@@ -29,12 +29,14 @@ result: dict = {"rank": me}
 def local(x, rows_of=None):
     """This process's rows of a global array, in order; a replicated array (a mask ``distribute``
     replicates) gives the rows ``rows_of``'s shards hold."""
-    shards = sorted((rows_of if x.is_fully_replicated and rows_of is not None else x)
-                    .addressable_shards, key=lambda sh: sh.index[0].start or 0)
     if x.is_fully_replicated and rows_of is not None:
         whole = np.asarray(x.addressable_data(0))
-        return np.concatenate([whole[sh.index[0]] for sh in shards])
-    return np.concatenate([np.asarray(sh.data) for sh in shards])
+        return np.concatenate([whole[sh.index[0]] for sh in _in_order(rows_of)])
+    return np.concatenate([np.asarray(sh.data) for sh in _in_order(x)])
+
+
+def _in_order(x):
+    return sorted(x.addressable_shards, key=lambda sh: sh.index[0].start or 0)
 
 
 def epoch(ds, **kw):
