@@ -90,8 +90,9 @@ intersphinx_mapping = {
     "jax": ("https://docs.jax.dev/en/latest", None),
     "numpy": ("https://numpy.org/doc/stable", None),
 }
-# No network (CI, offline builds): intersphinx inventories are optional.
-if os.environ.get("JAXDIST_DOCS_OFFLINE", "1") == "1":
+# Links into Python's, JAX's and NumPy's docs need their inventories from the network; CI builds
+# offline, so they are on only when asked for (JAXDIST_DOCS_INTERSPHINX=1).
+if os.environ.get("JAXDIST_DOCS_INTERSPHINX") != "1":
     intersphinx_mapping = {}
 
 # --- theme ------------------------------------------------------------------------------------
