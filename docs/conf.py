@@ -121,8 +121,10 @@ def _check_api_coverage(app, env):
     if missing or undocumented:
         from sphinx.errors import ExtensionError
 
-        raise ExtensionError("API reference incomplete: no entry for " + ", ".join(missing)
-                             + "; no docstring for " + ", ".join(undocumented))
+        problems = ([f"no entry in the API reference: {', '.join(missing)}"] if missing else []) + \
+                   ([f"no docstring: {', '.join(undocumented)}"] if undocumented else [])
+        raise ExtensionError("public names of jaxdist (docs/apiref.py) are not documented; "
+                             + "; ".join(problems))
 
 
 def setup(app):
