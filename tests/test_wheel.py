@@ -38,6 +38,7 @@ def test_wheel_carries_py_typed_license_and_version(wheel):
     assert wheel.name.startswith(f"jaxdist-{jaxdist.__version__}-"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     assert "jaxdist/py.typed" in names
+    assert any(n.endswith("/LICENSE") and ".dist-info/" in n for n in names), names
     assert any(n.endswith(".dist-info/METADATA") for n in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Typing :: Typed" in metadata and "Project-URL: Documentation" in metadata
