@@ -127,5 +127,11 @@ def _check_api_coverage(app, env):
                              + "; ".join(problems))
 
 
+def _public_bases(app, name, obj, options, bases):
+    """"Bases:" lists public classes only (a private mixin is an implementation detail)."""
+    bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")] or bases[:0]
+
+
 def setup(app):
     app.connect("env-check-consistency", _check_api_coverage)
+    app.connect("autodoc-process-bases", _public_bases)
