@@ -45,7 +45,7 @@ from jaxdist.strategy import Strategy as Strategy
 from jaxdist.strategy import TPUStrategy as TPUStrategy
 from jaxdist.strategy import mirrored as mirrored
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy",

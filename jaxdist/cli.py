@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from jaxdist import _output
+
 
 def _plan_parser(sub) -> None:
     from jaxdist import plan_measure
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("launch", help="run a script as N local processes (jaxdist launch -h)")
     sub.add_parser("ps", help="run a parameter-server role (jaxdist ps -h)")
     sub.add_parser("bench", help="run a benchmark from benchmarks/ (jaxdist bench -h)")
-    args = parser.parse_args(argv)
+    args = _output.show_defaults(parser).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "evaluate":
         return train_cli.evaluate(args)

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from jaxdist import _output
 from jaxdist.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec, parse_count
 
 _PREFIX = "jaxdist launch: "
@@ -429,7 +430,8 @@ def _parser() -> argparse.ArgumentParser:
         usage="%(prog)s (-n N | --ps P --workers W) [options] (script.py | -m module) "
               "[args ...]",
         description="Run N local processes of one multi-process JAX job, or a "
-                    "parameter-server job of 1 chief, W workers and P servers.")
+                    "parameter-server job of 1 chief, W workers and P servers.",
+        formatter_class=_output.DefaultsHelpFormatter)
     parser.add_argument("-n", "--num-processes", type=_count("--num-processes"),
                         help="number of processes")
     parser.add_argument("--ps", type=_count("--ps"), metavar="P",
@@ -448,6 +450,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="kill the job after this long (exit code 124)")
     parser.add_argument("--grace-period", type=float, default=20.0, metavar="SECONDS",
                         help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show every output line, gloo's per-connection lines too (also: JAXDIST_VERBOSE=1)")
     return parser
 
 
@@ -471,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     lock = threading.Lock()
 
     def emit(stream: str, line: bytes) -> None:
+        if not _output.keep_line(line, args.verbose or _output.verbose_from_env()):
+            return  # gloo's "[Gloo] Rank N is connected" chatter (see jaxdist/_output.py)
         out = sys.stdout if stream == "stdout" else sys.stderr
         with lock:  # whole lines only, so ranks never interleave within a line
             try:

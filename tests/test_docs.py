@@ -12,7 +12,12 @@ import pytest
 
 from tests.conftest import REPO
 
-DOCS = ["README.md", "examples/README.md", "examples/deploy/README.md"]
+DOCS = ["README.md", "CHANGELOG.md", "examples/README.md", "examples/deploy/README.md"]
+# The documentation site's pages (their Python blocks run in tests/test_docs_pages.py).
+SITE_PAGES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
+                                                               recursive=True)
+                    if os.sep + "_build" + os.sep not in p)
+SITE = "https://jaxdist.readthedocs.io/en/latest/"
 # Repository paths the docs may name: under these directories, or a Markdown file at the root.
 PATH = re.compile(r"(?<![\w/.-])((?:examples|notebooks|tests|benchmarks|jaxdist)/[\w./-]*"
                   r"\.(?:py|md|ipynb|sh|sbatch|yaml|json|txt)|[A-Za-z_][\w-]*\.md)(?![\w/-])")
@@ -23,7 +28,7 @@ KNOWN_STALE: set[tuple[str, str]] = set()
 
 
 def _sources():
-    files = [os.path.join(REPO, d) for d in DOCS]
+    files = [os.path.join(REPO, d) for d in DOCS + SITE_PAGES]
     files += glob.glob(os.path.join(REPO, "examples", "**", "*.*"), recursive=True)
     files += glob.glob(os.path.join(REPO, "jaxdist", "**", "*.py"), recursive=True)
     files += glob.glob(os.path.join(REPO, "notebooks", "*.ipynb"))
@@ -64,11 +69,12 @@ def test_markdown_links_resolve(doc):
             f"{doc} links to {target}, which does not exist"
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", DOCS + SITE_PAGES)
 def test_python_blocks_run_or_are_marked_fragments(doc):
-    """README's blocks run in tests/test_readme.py; a block that cannot says so on its first line."""
+    """README's blocks run in tests/test_readme.py and the site's in tests/test_docs_pages.py; a
+    block that cannot run says so on its first line."""
     blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(REPO, doc)).read(), re.S)
-    if doc != "README.md":  # only README's blocks are executed
+    if doc != "README.md" and not doc.startswith("docs" + os.sep):  # these are not executed
         assert all(b.startswith("# fragment: ") for b in blocks), doc
     for block in blocks:
         if block.startswith("# fragment"):
@@ -108,3 +114,63 @@ def test_jaxdist_ps_help_lists_its_subcommands_and_documents_every_option(monkey
     for parser in (task, launch):
         undocumented = [a.dest for a in parser._actions if not a.help]
         assert not undocumented, f"{parser.prog}: options without help text: {undocumented}"
+
+
+def test_readme_is_a_short_front_door_with_the_quickstart():
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert len(readme.splitlines()) <= 300
+    quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    assert "```bash\npip install -e . && jaxdist train --strategy mirrored --devices 8\n```" in quickstart
+    assert "```bash\npip install -e \".[test]\" && python -m pytest -q\n```" in quickstart
+    assert "@jaxdist.mirrored" in readme and "| strategy | where state lives |" in readme
+
+
+def test_links_into_the_site_name_pages_that_exist():
+    """README links into the published site; each link must be a page of docs/."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    links = re.findall(re.escape(SITE) + r"([\w/.-]*)", readme)
+    assert len(links) >= 4, links
+    for link in links:
+        page = link.split("#")[0].removesuffix(".html") or "index"
+        assert os.path.exists(os.path.join(REPO, "docs", page + ".md")), f"README links to {SITE}{link}"
+
+
+def test_every_public_name_is_in_the_api_reference_with_a_docstring():
+    """The reference pages are generated from these names (docs/apiref.py); the build checks the
+    rendered entries, this checks the listing and the docstrings without Sphinx."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "docs"))
+    try:
+        import apiref
+    finally:
+        sys.path.pop(0)
+    import jaxdist
+
+    api = apiref.public_api()
+    listed = {f"{m}.{n}" for m, names in api.items() for n in names}
+    for name in jaxdist.__all__:
+        obj = getattr(jaxdist, name)
+        if isinstance(obj, type(jaxdist)):
+            assert f"jaxdist.{name}" in api, f"public submodule jaxdist.{name} has no reference page"
+        else:
+            assert f"jaxdist.{name}" in listed, name
+    for module in ("callbacks", "checkpoint", "ps", "precision", "models", "datasets", "schedules",
+                   "cluster"):
+        assert api.get(f"jaxdist.{module}"), f"jaxdist.{module} lists no public name"
+    assert not apiref.undocumented(api), "public names without a docstring"
+
+
+@pytest.mark.parametrize("argv,default", [
+    (["train", "--help"], "(default: 128)"), (["evaluate", "--help"], "(default: 1.0)"),
+    (["plan", "--help"], "(default: 64)"), (["launch", "--help"], "(default: 20.0)"),
+    (["ps", "--help"], "(default: 512.0)")])
+def test_cli_help_shows_defaults(argv, default, capsys):
+    from jaxdist import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert default in text, f"jaxdist {argv[0]} --help: {text}"
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -1,7 +1,8 @@
 """Parameter-server mode: sharded parameters, host-side optimizer updates, a coordinator.
 
-See :class:`ParameterServerStrategy` for the entry point, README's "Parameter servers" section
-for a tour, and ``examples/parameter_server.py`` / ``notebooks/04_parameter_server.ipynb``.
+See :class:`ParameterServerStrategy` for the entry point, the parameter-server guide
+(``docs/guides/parameter_servers.md``) for a tour, and ``examples/parameter_server.py`` /
+``notebooks/04_parameter_server.ipynb``.
 """
 
 from jaxdist.ps.coordinator import ClosureError as ClosureError

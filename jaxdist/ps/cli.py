@@ -24,6 +24,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from jaxdist._output import RawDescriptionDefaultsHelpFormatter
 from jaxdist.cluster import ClusterSpec
 
 __all__ = ["main"]
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="subcommands:\n  launch    start a whole job on this machine: jaxdist ps launch "
                "--ps 2 --workers 3 script.py [args] (the same as jaxdist launch --ps 2 "
                "--workers 3; jaxdist ps launch -h)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--role", choices=("chief", "worker", "ps"), default=None,
                    help="this task's role (default: TF_CONFIG's task type); the chief "
                         "coordinates, as in tf.distribute")

@@ -123,7 +123,7 @@ def plan(tree: Any, num_shards: int, *, method: str = "greedy",
     """Plans where each leaf of ``tree`` lives across ``num_shards`` parameter servers.
 
     Args:
-      tree: pytree of arrays (or ``jax.ShapeDtypeStruct``s).
+      tree: pytree of arrays (or ``jax.ShapeDtypeStruct`` values).
       num_shards: number of parameter servers (>= 1).
       method: ``"round_robin"`` (leaves in tree order onto shards 0, 1, ...) or ``"greedy"``
         (largest piece first onto the least-loaded shard by bytes; ties go to the lower index).
