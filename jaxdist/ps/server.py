@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -31,7 +32,8 @@ import orbax.checkpoint as ocp
 from jaxdist.ps import wire
 from jaxdist.ps.optim import OptimizerSpec
 
-__all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "ParameterServer"]
+__all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "ParameterServer",
+           "check_number"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,15 @@ class ServerConfig:
     max_waiters: int = 16
 
     def __post_init__(self):
+        # Types and finiteness first: a NaN or float here (e.g. from a remote Init) would pass
+        # every comparison below and switch a bound off silently.
+        for name in ("staleness", "sync_replicas"):
+            if getattr(self, name) is not None:
+                check_number(f"ServerConfig.{name}", getattr(self, name), integer=True,
+                             hi=MAX_ID)
+        for name in ("max_push_bytes", "checkpoint_every", "max_waiters"):
+            check_number(f"ServerConfig.{name}", getattr(self, name), integer=True, hi=MAX_ID)
+        check_number("ServerConfig.max_wait_s", self.max_wait_s, lo_open=True, hi=1e9)
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"staleness must be >= 0 or None, got {self.staleness}")
         if self.sync_replicas is not None and self.sync_replicas < 1:
@@ -130,6 +141,47 @@ class PushResult:
     version: int
     incarnation: int
     restored_version: int
+
+
+def check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf,
+                 integer: bool = False, lo_open: bool = False, error: type = ValueError):
+    """``value`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or raises.
+
+    Every number that reaches the parameter-server code from a caller or the network goes
+    through here: NaN passes ``min``/``max`` clamps and ``<``/``>`` checks unnoticed (a NaN
+    timeout made ``Condition.wait_for`` spin), so finiteness is checked first.
+
+    Args:
+      name: the parameter's name, for the message.
+      value: the value to check (``bool`` is refused: it is not a count or a duration).
+      lo, hi: the accepted range.
+      integer: require an ``int`` (or numpy integer).
+      lo_open: exclude ``lo`` itself.
+      error: the exception type to raise.
+
+    Returns:
+      ``value`` as ``int`` (``integer=True``) or ``float``.
+
+    Raises:
+      ValueError: (or ``error``) ``value`` is not a number, not finite or out of range.
+
+    >>> check_number("timeout", 2)
+    2.0
+    >>> check_number("timeout", float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout must be a finite number in [0, inf], got nan
+    """
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    what = "an integer" if integer else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise error(f"{name} must be {what} in {rng}, got {type(value).__name__} {value!r}")
+    if not integer and not math.isfinite(float(value)):
+        raise error(f"{name} must be {what} in {rng}, got {value!r}")
+    if not (lo < value if lo_open else lo <= value) or not value <= hi:
+        raise error(f"{name} must be {what} in {rng}, got {value!r}")
+    return int(value) if integer else float(value)
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -282,13 +334,15 @@ class ParameterServer:
 
         Raises:
           TimeoutError: ``min_version`` was not reached in time (or the wait was cancelled).
-          PushRejected: ``min_version`` is not an integer in [0, 2**63), or
+          PushRejected: ``min_version`` is not an integer in [0, 2**63), ``timeout`` is not a
+            finite number >= 0, or
             ``max_waiters`` pulls are already waiting (code ``resource_exhausted``).
         """
         if min_version is not None:
             min_version = _check_int("min_version", min_version)
         wait_s = self.config.max_wait_s if timeout is None else min(
-            max(float(timeout), 0.0), self.config.max_wait_s)
+            check_number("pull timeout", timeout, hi=math.inf, error=PushRejected),
+            self.config.max_wait_s)
         with self._cond:
             if min_version is not None and self.version < min_version:
                 if self._waiters >= self.config.max_waiters:

@@ -34,7 +34,8 @@ import numpy as np
 from jaxdist._retry import retry
 from jaxdist.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
-from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerConfig, UpdateRecord
+from jaxdist.ps.server import (ParameterServer, PushRejected, PushResult, ServerConfig,
+                               UpdateRecord, check_number)
 from jaxdist.ps.optim import OptimizerSpec
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
@@ -396,9 +397,9 @@ class GrpcClient:
 
     def __init__(self, address: str, *, token: str | None = None, timeout: float = 60.0,
                  tls: TLSConfig | None = None):
+        self.timeout = check_number("GrpcClient timeout", timeout, lo_open=True)
         self._ch = Channel(address, PS_SERVICE, token=token, tls=tls)
         self.address = address
-        self.timeout = timeout
 
     def pull(self, *, min_version=None, timeout=None):
         if min_version is None:
@@ -526,9 +527,8 @@ class PSService:
         h, _ = wire.decode(request)
         server = self._ready()
         timeout = h.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float))):
-            raise PushRejected(f"Pull timeout must be a number of seconds, got {timeout!r}")
+        if timeout is not None:  # NaN and inf included: a NaN wait would spin (issue 19)
+            timeout = check_number("Pull timeout", timeout, error=PushRejected)
         cancelled = None
         if call is not None:
             cancelled = call.cancelled

@@ -1,0 +1,95 @@
+"""Issue 19, parameter-server service: no client can spin, starve or bloat a server.
+
+Hangs, memory and denial-of-service probes run in subprocesses with a timeout (and, where
+memory is the point, an RSS bound); all traffic stays on 127.0.0.1.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from jaxdist.ps import optimizer
+from jaxdist.ps.server import ParameterServer, PushRejected, ServerConfig, check_number
+from tests.conftest import REPO, run_python
+
+SCRIPTS = os.path.join(REPO, "tests", "_ps_scripts")
+
+
+def _g(value=1.0):
+    return {"w": np.full(4, value, np.float32)}
+
+
+# --- 1. every number is finite and in range ------------------------------------------------------
+
+NAN_PULLS = r"""
+import json, resource, threading, time
+import numpy as np
+from jaxdist.ps import optimizer, wire
+from jaxdist.ps.server import ParameterServer, PushRejected, ServerConfig
+from jaxdist.ps.transport import PS_SERVICE, Channel, GrpcClient, PSService, serve
+out = {}
+ps = ParameterServer(0, {"w": np.zeros(4, np.float32)}, optimizer("sgd", learning_rate=1.0))
+for bad in (float("nan"), float("inf"), -1.0, True, "3"):
+    try:
+        ps.pull(min_version=1, timeout=bad)
+        out[repr(bad)] = "returned"
+    except PushRejected as e:
+        out[repr(bad)] = "refused"
+service = PSService(0)
+server, port = serve("127.0.0.1:0", PS_SERVICE, service.methods(), token="t")
+addr = f"127.0.0.1:{port}"
+c = GrpcClient(addr, token="t", timeout=10)
+c.init(0, {"w": np.zeros(4, np.float32)}, optimizer("sgd", learning_rate=1.0), ServerConfig())
+ch = Channel(addr, PS_SERVICE, token="t")
+cpu0 = time.process_time()
+futs = [ch.future("Pull", wire.encode({"min_version": 1, "timeout": float("nan")}))
+        for _ in range(16)]
+codes = []
+for f in futs:
+    try:
+        f.result(timeout=20)
+        codes.append("ok")
+    except Exception as e:
+        codes.append(e.code().name if hasattr(e, "code") else type(e).__name__)
+out["remote_nan_pulls"] = codes
+out["status_waiters"] = c.status(timeout=5)["waiters"]
+out["cpu_s"] = time.process_time() - cpu0
+print(json.dumps(out))
+"""
+
+
+def test_a_nan_timeout_is_refused_and_cannot_spin_the_server():
+    # before: pull(timeout=nan) never returned (Condition.wait_for busy-looped), and 16 remote
+    # NaN pulls burned CPU forever and held every waiter slot
+    proc = run_python(NAN_PULLS, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["nan"] == out["inf"] == out["-1.0"] == out["True"] == out["'3'"] == "refused", out
+    assert out["remote_nan_pulls"] == ["INVALID_ARGUMENT"] * 16, out
+    assert out["status_waiters"] == 0 and out["cpu_s"] < 10, out
+
+
+@pytest.mark.parametrize("field, value", [
+    ("staleness", float("nan")), ("sync_replicas", 2.5), ("checkpoint_every", float("nan")),
+    ("max_waiters", float("inf")), ("max_wait_s", float("nan")), ("max_wait_s", math.inf),
+    ("max_push_bytes", True), ("staleness", -1)])
+def test_server_config_refuses_non_finite_and_non_integer_numbers(field, value):
+    # before: staleness=nan / sync_replicas=nan / checkpoint_every=nan passed (every comparison
+    # with NaN is False), switching the bound off
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{field: value})
+
+
+def test_worker_and_coordinator_numbers_are_checked():
+    from jaxdist.ps.worker import WorkerRuntime
+
+    with pytest.raises(ValueError, match="sync_timeout_s"):
+        WorkerRuntime(0, [], None, None, None, sync_timeout_s=float("nan"))
+    with pytest.raises(ValueError, match="retry_timeout_s"):
+        WorkerRuntime(0, [], None, None, None, retry_timeout_s=-1.0)
+    assert check_number("x", 3, integer=True) == 3
+    with pytest.raises(ValueError):
+        check_number("x", float("nan"), hi=10)
