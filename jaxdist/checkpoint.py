@@ -40,6 +40,57 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing or cannot be read; the message names it and the usable ones."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The restore ``target`` differs from what the step holds (dtype, shape or structure).
+
+    Not damage: the step is intact, so ``restore_latest`` raises this at once instead of
+    skipping good steps as corrupt. The message lists what differs.
+    """
+
+
+def _path_name(path) -> str:
+    """A leaf's path with container kinds erased (a TrainState's ``.params`` and a restored
+    dict's ``['params']`` name the same leaf)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _leaf_specs(tree: PyTree) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+        # 64-bit values saved without x64 restore into their 32-bit twins: not a difference
+        out[_path_name(path)] = (shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
+    return out
+
+
+def _differences(saved: PyTree, target: PyTree, limit: int = 6) -> list[str]:
+    """What differs between the saved tree's metadata and a restore target, in words."""
+    want, have = _leaf_specs(saved), _leaf_specs(target)
+    out = []
+    only_saved = sorted(set(want) - set(have))
+    only_target = sorted(set(have) - set(want))
+    if only_saved or only_target:
+        out.append(f"structure: the checkpoint has leaves {only_saved[:limit]} the target lacks, "
+                   f"the target has {only_target[:limit]} the checkpoint lacks")
+    for k in sorted(set(want) & set(have)):
+        (ws, wd), (hs, hd) = want[k], have[k]
+        if wd != hd:
+            out.append(f"{k}: dtype {wd.name} in the checkpoint, {hd.name} in the target")
+        if ws != hs:
+            out.append(f"{k}: shape {ws} in the checkpoint, {hs} in the target")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
+
 def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
     """Shapes, dtypes and the shardings to restore into (the target strategy's, if given).
 
@@ -267,8 +318,10 @@ class CheckpointManager:
           The restored state.
 
         Raises:
-          CheckpointError: no such step, or its files are corrupt (a digest differs) / do not
-            match ``target``; the message names the step and lists the other steps.
+          CheckpointMismatchError: ``target`` differs from the saved state in dtype, shape or
+            structure (the message lists the differences; the step is not damaged).
+          CheckpointError: no such step, or its files are corrupt (a digest differs); the
+            message names the step and lists the other steps.
         """
         if step is None:
             return self.restore_latest(target=target, strategy=strategy, _required=True).state
@@ -288,6 +341,8 @@ class CheckpointManager:
           ``Restored(step, state, metadata)``, or None when the directory holds no checkpoint.
 
         Raises:
+          CheckpointMismatchError: the newest intact step does not fit ``target`` (dtype, shape
+            or structure); older steps are not tried, and none is reported corrupt.
           CheckpointError: there are steps, but none restores (the message gives each one's error).
 
         >>> import tempfile, jax.numpy as jnp
@@ -309,6 +364,8 @@ class CheckpointManager:
             try:
                 meta = self.metadata(step)
                 state = self._restore(step, target, strategy)
+            except CheckpointMismatchError:
+                raise  # the step is intact; an older one would not fit the target either
             except CheckpointError as e:
                 errors.append(f"step {step}: {e}")
                 logger.warning("skipping checkpoint step %d, falling back to an older one: %s",
@@ -331,7 +388,10 @@ class CheckpointManager:
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
             error = e
         # Across processes a file may fail on one only: all fall back together, never split.
-        if not _all_agree(error is None):
+        ok = _all_agree(error is None)
+        if not ok:
+            # A target of another shape or structure fails to read: say which, not "damaged".
+            self._check_target(step, target)
             msg = (f"{type(error).__name__}: {str(error)[:500]}" if error is not None
                    else "another process could not read its part")
             raise CheckpointError(
@@ -339,8 +399,29 @@ class CheckpointManager:
                 f"`target` has the saved state's structure, shapes and dtypes; if this step's "
                 f"files are damaged, restore another one ({hint})") from error
         if self.verify:
-            self._verify(step, out, hint)
+            self._verify(step, out, hint, target)
         return out
+
+    def _check_target(self, step: int, target: PyTree) -> None:
+        """Raises ``CheckpointMismatchError`` when ``target`` differs from step's saved tree.
+
+        Compared only on the way to reporting a failure (a read error, a digest mismatch), so
+        that a restore that works is never refused by this comparison.
+        """
+        if target is None:
+            return
+        try:
+            saved = self._mgr.item_metadata(step)["state"]
+            saved = getattr(saved, "tree", saved)
+            diffs = _differences(saved, target)
+        except Exception:  # unreadable metadata: that is for the damage path to report
+            return
+        if diffs:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} does not match the restore target "
+                f"(the step is intact; the target differs): {'; '.join(diffs)}. Pass a target "
+                "with the saved structure, shapes and dtypes (cast after restoring), or "
+                "target=None to restore the saved tree as it is")
 
     def _saved_tree(self, step: int) -> PyTree:
         """Shapes and dtypes of the state saved at ``step``, from Orbax's tree metadata."""
@@ -355,7 +436,7 @@ class CheckpointManager:
 
         return jax.tree.map(leaf, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
-    def _verify(self, step: int, state: PyTree, hint: str) -> None:
+    def _verify(self, step: int, state: PyTree, hint: str, target: PyTree = None) -> None:
         if not self.metadata(step).get("digested"):
             logger.info("checkpoint step %d has no digests (written unverified); not checked", step)
             return
@@ -373,6 +454,9 @@ class CheckpointManager:
         now = tree_digests(state)
         bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if bad:
+            # Orbax casts to the target's dtype, so a bfloat16 target digests differently
+            # from the float32 it read: that is the target, not damage.
+            self._check_target(step, target)
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} is corrupt: the arrays read for "
                 f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} differ from what was saved "
@@ -391,6 +475,14 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: metadata cannot be "
                                   f"read ({type(e).__name__}: {e})") from e
+        # Required whenever the step was written with digests (which came with checksums): a
+        # flipped bit in the key "checksum" must not switch the check off.
+        digested = bool(meta.get("digested")) or os.path.isdir(
+            os.path.join(self.directory, self._names.build_name(step), "digests"))
+        if "checksum" not in meta and digested:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory}: its metadata "
+                                  "lacks its checksum though the step was written with digests "
+                                  "(a damaged or altered file); restore another step")
         if "checksum" in meta and meta["checksum"] != meta_checksum(meta):
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: its metadata "
                                   "fails its checksum (a damaged or altered file); restore "
