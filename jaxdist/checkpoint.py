@@ -10,13 +10,27 @@ restoring "the latest" falls back past such steps to the newest intact one.
 
 Multi-process contract: every process constructs the manager with the same directory and calls
 ``save`` / ``restore`` / ``wait_until_finished`` for the same steps (they synchronise internally).
+
+One job owns a directory: the first ``save`` takes an exclusive ``flock`` on
+``<directory>/.jaxdist-owner.lock`` (process 0 takes it for the whole job, and writes its pid, host
+and command line there), held until ``close()`` or until the process ends, however it ends, so a
+crashed owner never leaves the directory stuck. A second job's first ``save`` raises
+``CheckpointError`` naming the owner. Reading (``restore``, ``metadata``, a side-car evaluator)
+needs no claim.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
 import os
+import socket
+import sys
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -125,6 +139,61 @@ class Restored(NamedTuple):
     metadata: dict
 
 
+OWNER_FILE = ".jaxdist-owner.lock"
+# directory -> [open lock file, managers of this process using it]; one job's process may run
+# several managers on one directory (a callback's and the user's), they share the claim.
+_CLAIMS: dict[str, list] = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+def _owner_record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "job": os.environ.get("JAXDIST_COORDINATOR") or os.environ.get("SLURM_JOB_ID"),
+            "argv": " ".join(sys.argv)[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _claim(directory: str) -> str | None:
+    """Takes this process's claim on ``directory`` (an ``flock`` on its owner file, which the
+    kernel drops when the process ends, however it ends); returns None, or the error text
+    naming the owner when another process holds it."""
+    with _CLAIMS_LOCK:
+        if directory in _CLAIMS:
+            _CLAIMS[directory][1] += 1
+            return None
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, OWNER_FILE)
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            owner = fh.read(500).strip() or "unknown (no owner record)"
+            fh.close()
+            return (f"checkpoint directory {directory} is owned by another running job: {owner}. "
+                    "Two jobs writing one directory overwrite each other's steps; give this job "
+                    "its own directory, or stop the other one (its claim ends with its process, "
+                    "even when that process crashed)")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(_owner_record()) + "\n")
+        fh.flush()
+        _CLAIMS[directory] = [fh, 1]
+        return None
+
+
+def _release(directory: str) -> None:
+    with _CLAIMS_LOCK:
+        entry = _CLAIMS.get(directory)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _CLAIMS[directory]
+            with contextlib.suppress(OSError):
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+            entry[0].close()
+
+
 def _all_agree(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when there are several)."""
     if jax.process_count() == 1:
@@ -189,6 +258,7 @@ class CheckpointManager:
                                                  step_name_format=self._names, **best))
         self._pending: int | None = None  # the step an async save is writing
         self._failed = False
+        self._owner: weakref.finalize | None = None  # this job's claim on the directory
 
     def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
              data_state: dict | None = None, metadata: dict | None = None,
@@ -209,9 +279,12 @@ class CheckpointManager:
         Raises:
           TypeError: ``state`` holds per-replica values (save ``strategy.to_mirrored(state)``).
           ValueError: ``metrics`` lacks ``best_metric``.
-          CheckpointError: this save, or the previous asynchronous one, failed (a full disk, say);
+          CheckpointError: another running job owns the directory (the message names it), or
+            this save, or the previous asynchronous one, failed (a full disk, say);
             the steps on disk stay listed and restorable.
         """
+        if self._owner is None:
+            self._take_ownership()
         if has_per_replica(state):
             raise TypeError(
                 "CheckpointManager.save got per-replica values (the state returned by strategy.run); "
@@ -244,6 +317,17 @@ class CheckpointManager:
             raise
         self._pending = int(step) if started else self._pending
         return started
+
+    def _take_ownership(self) -> None:
+        """Claims the directory for this job before its first save (process 0 claims for the
+        job; every process agrees on the outcome, so all of them raise or none does)."""
+        error = _claim(self.directory) if jax.process_index() == 0 else None
+        if not _all_agree(error is None):
+            raise CheckpointError(error or f"checkpoint directory {self.directory} is owned by "
+                                  "another running job (process 0 of this job names it)")
+        # released on close(), or when this manager is garbage-collected
+        self._owner = weakref.finalize(self, _release, self.directory) if \
+            jax.process_index() == 0 else weakref.finalize(self, lambda: None)
 
     @contextlib.contextmanager
     def _failures(self, what: str):
@@ -521,6 +605,9 @@ class CheckpointManager:
             self._mgr.reload()
             raise CheckpointError(f"a checkpoint save in {self.directory} failed: {e}; steps "
                                   f"on disk: {self.all_steps() or 'none'}") from e
+        finally:
+            if self._owner is not None:
+                self._owner()  # gives the directory back (once)
 
     def __enter__(self):
         return self
