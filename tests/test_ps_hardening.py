@@ -93,3 +93,36 @@ def test_worker_and_coordinator_numbers_are_checked():
     assert check_number("x", 3, integer=True) == 3
     with pytest.raises(ValueError):
         check_number("x", float("nan"), hi=10)
+
+
+# --- 4. bounded exactly-once bookkeeping -----------------------------------------------------------
+
+def test_bookkeeping_is_a_window_and_checkpoints_do_not_grow_with_history(tmp_path):
+    # before: every applied update was kept forever (~270 MiB per million) and every checkpoint
+    # rewrote all of them
+    cfg = ServerConfig(dedup_window=50, log_window=20, checkpoint_dir=str(tmp_path),
+                       checkpoint_every=100)
+    ps = ParameterServer(0, _g(0.0), optimizer("sgd", learning_rate=0.0), cfg)
+    for i in range(1000):
+        assert ps.push(worker=i % 3, step_id=i, version=ps.version, grads=_g()).status == "applied"
+    assert len(ps._taken) == len(ps._order) == 50 and len(ps._log) == 20
+    assert [r.step_id for r in ps.log] == list(range(980, 1000))
+    assert ps.status()["applied"] == 1000
+    # exactly-once holds inside the window, and an id older than the window is never re-applied
+    for old in (999, 950, 3):
+        assert ps.push(worker=1, step_id=old, version=ps.version, grads=_g()).status == "duplicate"
+    assert ps.version == 1000
+    # the checkpoint at version 1000 holds the windows, and a restore continues them
+    back = ParameterServer.restore(str(tmp_path), 0, config=cfg)
+    assert back.version == 1000 and back.status()["applied"] == 1000
+    assert [r.step_id for r in back.log] == list(range(980, 1000))
+    assert back.push(worker=0, step_id=960, version=1000, grads=_g()).status == "duplicate"
+    assert back.push(worker=0, step_id=10, version=1000, grads=_g()).status == "duplicate"
+    assert back.push(worker=0, step_id=1000, version=1000, grads=_g()).status == "applied"
+    assert [r.step_id for r in back.log][-2:] == [999, 1000]
+    assert os.path.getsize(_largest(tmp_path)) < 64 << 10
+
+
+def _largest(directory):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
+    return max(files, key=os.path.getsize)

@@ -458,6 +458,8 @@ _REMOTE_CONFIG = frozenset(f.name for f in dataclasses.fields(ServerConfig)) - {
 # ...and the waiting limits it may not raise past what keeps handler threads free (serve()
 # runs 32: at most 24 may wait) or make a wait unbounded in practice
 _MAX_WAITERS, _MAX_WAIT_S = 24, 300.0
+# ...nor grow its bookkeeping past a few tens of MB
+_MAX_WINDOW = 1 << 20
 
 
 class PSService:
@@ -510,7 +512,9 @@ class PSService:
                     cfg = ServerConfig(**config, checkpoint_dir=self.checkpoint_dir)
                     cfg = dataclasses.replace(
                         cfg, max_waiters=min(cfg.max_waiters, _MAX_WAITERS),
-                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S))
+                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S),
+                        dedup_window=min(cfg.dedup_window, _MAX_WINDOW),
+                        log_window=min(cfg.log_window, _MAX_WINDOW))
                     opt = OptimizerSpec.from_dict(header.get("optimizer"))
                 except (TypeError, ValueError, KeyError, AttributeError) as e:
                     raise PushRejected(f"Init: bad config or optimizer: {e!r}") from None
