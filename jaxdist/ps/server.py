@@ -75,7 +75,7 @@ class ServerConfig:
       dedup_window: step ids remembered for exactly-once: the newest this many taken ids. An
         id older than all of them (a push delayed behind ``dedup_window`` newer updates) is
         answered ``"duplicate"`` and dropped, never applied twice.
-      log_window: ``UpdateRecord``\ s kept in ``ParameterServer.log`` (the newest);
+      log_window: update records kept in ``ParameterServer.log`` (the newest);
         ``status()["applied"]`` still counts every applied push. Both windows bound memory and
         the cost of a checkpoint whatever the length of the run.
     """
@@ -234,6 +234,8 @@ class ParameterServer:
         self._tx = optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
         self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
         self._shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in self._params.items()}
+        #: bytes of one gradient push to this shard (what a receiver needs to accept)
+        self.shard_bytes = sum(math.prod(s) * d.itemsize for s, d in self._shapes.values())
         self._opt_state = self._tx.init(self._params)
         self._apply = jax.jit(self._apply_fn)
         self.incarnation = int.from_bytes(os.urandom(6), "little")

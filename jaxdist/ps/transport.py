@@ -48,6 +48,9 @@ PS_SERVICE = "jaxdist.ps.ParameterServer"
 ENV_TOKEN = ENV_PS_TOKEN
 _TOKEN_KEY = "x-jaxdist-token"
 HEADER_SLACK = 1 << 20
+# Requests travel as a stream of chunks of at most this size (the server's gRPC receive limit),
+# so the server sees a message's header, and checks the size it declares, before the body.
+CHUNK_BYTES = 4 << 20
 # Megabyte messages on a fast link: large HTTP/2 frames and a 16 MiB window from the start
 # instead of 64 KiB grown by BDP probing (measured here: 0.67 -> 1.09 GB/s for 2 MiB echoes).
 _HTTP2 = [("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.bdp_probe", 0),
@@ -215,10 +218,171 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(deny)
 
 
-def _wrap(fn: Handler) -> Callable:
-    def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class ReceiveLimits:
+    """How long and how many handler threads a request body may take (see :func:`serve`).
+
+    Attributes:
+      chunk_timeout_s: longest wait for the next chunk of a body; a stalled body is cancelled.
+      body_timeout_s: longest a whole body may take to arrive.
+      slow_after_s: a body still arriving after this long counts as slow.
+      max_slow_per_peer: most slow bodies one peer host may have arriving at once; one more is
+        cancelled.
+      max_receiving: most calls of the server receiving their bodies at once; one more is refused
+        at once (``resource_exhausted``) so that they never hold every handler thread.
+    """
+
+    chunk_timeout_s: float = 10.0
+    body_timeout_s: float = 300.0
+    slow_after_s: float = 0.5
+    max_slow_per_peer: int = 8
+    max_receiving: int = 16
+
+    def __post_init__(self):
+        for name in ("chunk_timeout_s", "body_timeout_s", "slow_after_s"):
+            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo_open=True, hi=1e6)
+        for name in ("max_slow_per_peer", "max_receiving"):
+            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo=1, integer=True)
+
+
+class _Receipt:
+    __slots__ = ("context", "host", "start", "last", "slow")
+
+    def __init__(self, context, host: str):
+        self.context, self.host = context, host
+        self.start = self.last = time.monotonic()
+        self.slow = False
+
+
+class _Receiver:
+    """Reads request bodies chunk by chunk under :class:`ReceiveLimits`; one watchdog thread
+    cancels the calls whose bodies stall, take too long, or are slow beyond a peer's share."""
+
+    def __init__(self, limits: ReceiveLimits):
+        self.limits = limits
+        self._lock = threading.Condition()
+        self._active: set[_Receipt] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="ps-receive-watch")
+        self._thread.start()
+        self.cancelled = 0  # calls cut by the watchdog (for tests and status)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        lim = self.limits
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            cut = []
+            with self._lock:
+                slow: dict[str, int] = {}
+                for r in self._active:
+                    slow[r.host] = slow.get(r.host, 0) + r.slow
+                for r in sorted(self._active, key=lambda r: r.start):
+                    if (now - r.last > lim.chunk_timeout_s
+                            or now - r.start > lim.body_timeout_s):
+                        cut.append(r)
+                    elif not r.slow and now - r.start > lim.slow_after_s:
+                        if slow.get(r.host, 0) >= lim.max_slow_per_peer:
+                            cut.append(r)
+                        else:
+                            r.slow = True
+                            slow[r.host] = slow.get(r.host, 0) + 1
+                for r in cut:
+                    self._active.discard(r)
+                self.cancelled += len(cut)
+                if cut:
+                    self._lock.notify(len(cut))
+            for r in cut:
+                logger.warning("cancelling a call from %s whose request body is stalled or too "
+                               "slow (%.1fs)", r.host, now - r.start)
+                r.context.cancel()
+
+    def receive(self, requests, context: grpc.ServicerContext, limit: int) -> bytes | memoryview:
+        """The request's bytes, assembled from its chunks.
+
+        Raises:
+          PushRejected: the message declares more than ``limit`` bytes, or too many calls are
+            receiving (code ``resource_exhausted``).
+          WireError: the chunks do not add up to the message they declare.
+          _Gone: the call was cancelled (by its caller or the watchdog).
+        """
+        peer = context.peer() or "unknown"
+        receipt = _Receipt(context, peer.rsplit(":", 1)[0])
+        with self._lock:
+            # a full house frees within slow_after_s (the watchdog cuts slow bodies past a
+            # peer's share), so an honest call waits that long before it is refused
+            if not self._lock.wait_for(lambda: len(self._active) < self.limits.max_receiving,
+                                       self.limits.slow_after_s * 2):
+                raise PushRejected(f"{len(self._active)} calls are already sending their requests "
+                                   "to this server (ReceiveLimits.max_receiving); retry later",
+                                   "resource_exhausted")
+            self._active.add(receipt)
         try:
+            return self._assemble(requests, receipt, limit)
+        finally:
+            with self._lock:
+                self._active.discard(receipt)
+                self._lock.notify()
+
+    @staticmethod
+    def _assemble(requests, receipt: _Receipt, limit: int) -> bytes | memoryview:
+        parts: list[bytes] = []
+        have, buf, total = 0, None, None
+        try:
+            for chunk in requests:
+                receipt.last = time.monotonic()
+                if buf is None:
+                    parts.append(chunk)
+                    have += len(chunk)
+                    if have > limit:
+                        raise PushRejected(f"request of more than {limit} bytes refused: this "
+                                           "server's limit for the call", "resource_exhausted")
+                    need = wire.header_length(parts[0] if len(parts[0]) >= 4 else b"".join(parts))
+                    if need is None or have < need:
+                        continue
+                    head = b"".join(parts)
+                    parts = []
+                    total = wire.declared_size(head)
+                    if total > limit:
+                        raise PushRejected(f"request declares {total} bytes; this server's limit "
+                                           f"for the call is {limit} (size it from the shard)",
+                                           "resource_exhausted")
+                    if len(head) > total:
+                        raise wire.WireError(f"{len(head) - total} byte(s) past the {total} the "
+                                             "message declares")
+                    buf = bytearray(total)
+                    buf[:len(head)] = head
+                    have = len(head)
+                else:
+                    if have + len(chunk) > total:
+                        raise wire.WireError(f"more bytes than the {total} the message declares")
+                    buf[have:have + len(chunk)] = chunk
+                    have += len(chunk)
+        except grpc.RpcError:
+            raise _Gone() from None
+        if receipt.context is not None and not receipt.context.is_active():
+            raise _Gone()
+        if buf is None:  # shorter than its header: decode() says what is wrong with it
+            return b"".join(parts)
+        if have != total:
+            raise wire.WireError(f"message ends after {have} of the {total} bytes it declares")
+        return memoryview(buf)
+
+
+class _Gone(Exception):
+    """The call ended while its body was arriving."""
+
+
+def _wrap(name: str, fn: Handler, receiver: _Receiver,
+          limit: Callable[[str], int]) -> Callable:
+    def handler(requests, context: grpc.ServicerContext) -> bytes:
+        try:
+            request = receiver.receive(requests, context, limit(name))
             return fn(request, Call(context))
+        except _Gone:
+            return b""  # cancelled: nobody reads the reply
         except PushRejected as e:
             context.abort(_TO_CODE[e.code], str(e))
         except wire.WireError as e:
@@ -236,7 +400,8 @@ def _wrap(fn: Handler) -> Callable:
 def serve(address: str, service: str, methods: Mapping[str, Handler], *,
           token: str | None, tls: TLSConfig | None = None,
           max_receive_bytes: int = (512 << 20) + HEADER_SLACK,
-          threads: int = 32) -> tuple[grpc.Server, int]:
+          threads: int = 48, limits: Callable[[str], int] | None = None,
+          receive_limits: ReceiveLimits | None = None) -> tuple[grpc.Server, int]:
     """Starts a gRPC server for ``methods`` (``name -> fn(request, call) -> bytes``).
 
     Args:
@@ -248,6 +413,14 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
       tls: serve TLS with these credentials (None: plaintext).
       max_receive_bytes: largest request accepted (size it from the model).
       threads: handler threads.
+      limits: ``method name -> largest request`` (capped by ``max_receive_bytes``), asked as each
+        call starts: a service sizes it from its state (a parameter server from its shard).
+        It may raise ``PushRejected`` / ``_NotReady`` to refuse the call before its body.
+      receive_limits: :class:`ReceiveLimits` (default: at most ``threads // 3`` calls receiving
+        their bodies at once).
+
+    Requests arrive as a stream of chunks of at most ``CHUNK_BYTES`` (gRPC's receive limit), so
+    no request is buffered by gRPC before the size its header declares is checked.
 
     Returns:
       ``(server, port)``; ``port`` is the bound port (useful with ``"127.0.0.1:0"``).
@@ -261,7 +434,14 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
     b'hi'
     >>> _ = server.stop(0)
     """
-    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn))
+    max_receive_bytes = int(check_number("max_receive_bytes", max_receive_bytes, lo=1,
+                                         integer=True))
+    receiver = _Receiver(receive_limits or ReceiveLimits(max_receiving=max(1, threads // 3)))
+
+    def limit_of(name: str) -> int:
+        return min(max_receive_bytes, limits(name)) if limits is not None else max_receive_bytes
+
+    handlers = {name: grpc.stream_unary_rpc_method_handler(_wrap(name, fn, receiver, limit_of))
                 for name, fn in methods.items()}
     if token is None:
         logger.warning("%s on %s serves WITHOUT authentication: any process that can reach "
@@ -270,9 +450,10 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
         futures.ThreadPoolExecutor(max_workers=threads),
         handlers=[grpc.method_handlers_generic_handler(service, handlers)],
         interceptors=[_TokenInterceptor(token)] if token is not None else [],
-        options=[("grpc.max_receive_message_length", int(max_receive_bytes)),
+        options=[("grpc.max_receive_message_length", CHUNK_BYTES),
                  ("grpc.max_send_message_length", -1),
                  ("grpc.so_reuseport", 0), *_HTTP2])
+    server._jaxdist_receiver = receiver  # noqa: SLF001 - for tests and stop()
     if tls is not None:
         port = server.add_secure_port(address, tls.server_credentials())
     else:
@@ -289,10 +470,12 @@ def serve_until_stopped(service: Any, address: str, name: str, *, token: str | N
     """Serves ``service.methods()`` on ``address`` until ``service.stopped`` is set (by the
     coordinator's ``Shutdown`` call)."""
     server, _ = serve(address, name, service.methods(), token=token, tls=tls,
-                      max_receive_bytes=max_receive_bytes)
+                      max_receive_bytes=max_receive_bytes,
+                      limits=getattr(service, "receive_limit", None))
     service.stopped.wait()
     time.sleep(0.2)  # let the Shutdown reply leave before the server stops
     server.stop(grace=1).wait()
+    server._jaxdist_receiver.close()  # noqa: SLF001
 
 
 class Channel:
@@ -320,19 +503,31 @@ class Channel:
 
     def _stub(self, method: str):
         if method not in self._stubs:
-            self._stubs[method] = self._channel.unary_unary(f"/{self._service}/{method}")
+            self._stubs[method] = self._channel.stream_unary(f"/{self._service}/{method}")
         return self._stubs[method]
 
+    @staticmethod
+    def _chunks(payload: bytes):
+        if len(payload) <= CHUNK_BYTES:
+            yield bytes(payload)
+            return
+        view = memoryview(payload)
+        for i in range(0, len(view), CHUNK_BYTES):
+            yield bytes(view[i:i + CHUNK_BYTES])
+
     def call(self, method: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        if timeout is not None:
+            timeout = check_number("call timeout", timeout, lo_open=True)
         try:
-            return self._stub(method)(payload, timeout=timeout, metadata=self._metadata)
+            return self._stub(method)(self._chunks(payload), timeout=timeout,
+                                      metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e, f"{self._service}/{method} at {self.address}") from None
 
     def future(self, method: str, payload: bytes):
         """Starts a call without a deadline; ``result()`` raises ``grpc.RpcError`` (or
         ``grpc.FutureCancelledError`` after ``cancel()``)."""
-        return self._stub(method).future(payload, metadata=self._metadata)
+        return self._stub(method).future(self._chunks(payload), metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -483,6 +678,23 @@ class PSService:
     def methods(self) -> dict[str, Handler]:
         return {"Init": self.init, "Pull": self.pull, "Push": self.push,
                 "Status": self.status, "Log": self.log, "Shutdown": self.shutdown}
+
+    def receive_limit(self, method: str) -> int:
+        """Largest request ``method`` may send, from the shard once there is one (asked before
+        the request's body arrives; a push before ``Init`` is refused then).
+
+        Raises:
+          _NotReady: a ``Push`` before the server is initialized.
+        """
+        server = self.server
+        shard = None if server is None else server.shard_bytes
+        if method == "Push":
+            if server is None:
+                self._ready()
+            return min(shard, server.config.max_push_bytes) + HEADER_SLACK
+        if method == "Init":
+            return (1 << 62) if shard is None else shard + HEADER_SLACK
+        return HEADER_SLACK
 
     def _ready(self) -> ParameterServer:
         server = self.server
