@@ -126,3 +126,88 @@ def test_bookkeeping_is_a_window_and_checkpoints_do_not_grow_with_history(tmp_pa
 def _largest(directory):
     files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
     return max(files, key=os.path.getsize)
+
+
+# --- 2. stalled bodies cannot hold the handler threads ---------------------------------------------
+
+def test_forty_stalled_authenticated_clients_do_not_take_the_service_down():
+    # before: 40 raw HTTP/2 calls that sent headers and 16 bytes of a 1 MiB body held all 32
+    # handler threads; every honest Status timed out (still down after 92 s)
+    proc = run_python([os.path.join(SCRIPTS, "stalled_clients.py"), "40", "12"], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["honest_calls"] >= 10 and out["honest_errors"] == 0, out
+    assert out["server_peak_rss_mb"] < 1000, out
+
+
+def test_the_watchdog_cuts_a_stalled_body_and_a_peer_beyond_its_share():
+    import threading
+    import time
+
+    from jaxdist.ps.transport import PS_SERVICE, Channel, ReceiveLimits, serve
+
+    stop = threading.Event()
+
+    from jaxdist.ps import wire
+
+    msg = wire.encode({}, {"w": np.zeros(1000, np.float32)})
+
+    def stalled():
+        yield msg[:wire.header_length(msg)]  # the header, then none of the 4000 bytes declared
+        stop.wait(30)
+
+    server, port = serve("127.0.0.1:0", "demo.Echo", {"Echo": lambda req, call: bytes(req)},
+                         token="t", receive_limits=ReceiveLimits(
+                             chunk_timeout_s=4.0, slow_after_s=0.2, max_slow_per_peer=2,
+                             max_receiving=8))
+    try:
+        ch = Channel(f"127.0.0.1:{port}", "demo.Echo", token="t")
+        stub = ch._stub("Echo")
+        futs = [stub.future(stalled(), metadata=ch._metadata) for _ in range(5)]
+        receiver = server._jaxdist_receiver
+        deadline = time.monotonic() + 20
+        while receiver.cancelled < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # past slow_after_s: the 3 beyond the peer's share of 2 are cut; 2 wait for their chunk
+        assert receiver.cancelled == 3
+        assert ch.call("Echo", b"hi", timeout=10) == b"hi"  # honest calls still served
+        for f in futs:
+            with pytest.raises(Exception):
+                f.result(timeout=10)  # the last 2 are cut after chunk_timeout_s
+        assert receiver.cancelled == 5
+    finally:
+        stop.set()
+        server.stop(0)
+
+
+# --- 3. receive limits from the shard, declared sizes before the body -----------------------------
+
+def test_oversized_authenticated_pushes_are_refused_from_their_header_not_after_receipt():
+    # before: four concurrent 240 MiB pushes to a 4 KiB shard were refused only after full
+    # receipt and decode (server RSS 257 -> 1,450 MB, 705 MB still held afterwards)
+    proc = run_python([os.path.join(SCRIPTS, "oversized_auth_push.py"), "240", "4"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(e and "PushRejected" in e and "declares" in e for e in out["errors"]), out
+    assert out["server_peak_rss_mb"] < out["server_rss_before_mb"] + 100, out
+
+
+def test_the_declared_size_is_read_from_the_header_alone():
+    from jaxdist.ps import wire
+
+    msg = wire.encode({"worker": 0}, {"w": np.zeros(1 << 16, np.float32)})
+    need = wire.header_length(msg[:4])
+    assert wire.declared_size(msg[:need]) == len(msg)
+    with pytest.raises(wire.WireError, match="do not hold the message's prefix and header"):
+        wire.declared_size(msg[:need - 1])
+
+
+def test_a_push_before_init_is_refused_before_its_body():
+    from jaxdist.ps.transport import _NotReady, PSService
+
+    with pytest.raises(_NotReady):
+        PSService(0).receive_limit("Push")
+    service = PSService(0)
+    service.server = ParameterServer(0, _g(), optimizer("sgd", learning_rate=1.0))
+    assert service.receive_limit("Push") == 16 + (1 << 20)
+    assert service.receive_limit("Status") == 1 << 20

@@ -336,11 +336,12 @@ class _Receiver:
                 if buf is None:
                     parts.append(chunk)
                     have += len(chunk)
-                    if have > limit:
-                        raise PushRejected(f"request of more than {limit} bytes refused: this "
-                                           "server's limit for the call", "resource_exhausted")
                     need = wire.header_length(parts[0] if len(parts[0]) >= 4 else b"".join(parts))
                     if need is None or have < need:
+                        if have > limit:
+                            raise PushRejected(f"request of more than {limit} bytes refused: "
+                                               "this server's limit for the call",
+                                               "resource_exhausted")
                         continue
                     head = b"".join(parts)
                     parts = []
