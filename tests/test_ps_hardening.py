@@ -211,3 +211,65 @@ def test_a_push_before_init_is_refused_before_its_body():
     service.server = ParameterServer(0, _g(), optimizer("sgd", learning_rate=1.0))
     assert service.receive_limit("Push") == 16 + (1 << 20)
     assert service.receive_limit("Status") == 1 << 20
+
+
+# --- 5. `jaxdist ps` names the real cause in one line ------------------------------------------------
+
+def _ps_cli(tmp_path, port, env):
+    cluster = json.dumps({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+                          "ps": [f"127.0.0.1:{port}"]})
+    return run_python(["-m", "jaxdist.ps.cli", "--role", "ps", "--index", "0", "--cluster",
+                       cluster], timeout=120, env={"JAXDIST_PS_TOKEN": "t", **env})
+
+
+def _tls_env(cert, key, ca):
+    return {"JAXDIST_PS_TLS_CERT": str(cert), "JAXDIST_PS_TLS_KEY": str(key),
+            "JAXDIST_PS_TLS_CA": str(ca)}
+
+
+def _one_line(proc, text):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and text in err, err
+    assert "serving on" not in proc.stdout, proc.stdout
+
+
+def test_ps_cli_names_a_bad_key_a_non_pem_certificate_and_a_port_in_use(tmp_path):
+    # before: each printed "serving on 127.0.0.1:P (TLS)", then a 28-line traceback ending
+    # "Failed to bind to address"; serve()'s "port in use" branch was dead with grpcio 1.85
+    import socket
+
+    from tests.test_ps_security import _self_signed
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = _self_signed(tmp_path / "a"), _self_signed(tmp_path / "b")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    _one_line(_ps_cli(tmp_path, free, _tls_env(a.cert_file, b.key_file, a.ca_file)),
+              "the key does not match the certificate")
+    der = tmp_path / "cert.der"
+    der.write_bytes(b"0\x82\x01\x00not pem at all")
+    _one_line(_ps_cli(tmp_path, free, _tls_env(der, a.key_file, a.ca_file)),
+              f"TLS cert_file {der} is not PEM")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _one_line(_ps_cli(tmp_path, port, {}), f"port {port} is in use by another process")
+
+
+def test_a_plaintext_client_of_a_tls_server_is_told_it_may_require_tls(tmp_path):
+    from jaxdist.ps.transport import PS_SERVICE, GrpcClient, PSService, Unavailable, serve
+    from tests.test_ps_security import _self_signed
+
+    tls = _self_signed(tmp_path)
+    server, port = serve("127.0.0.1:0", PS_SERVICE, PSService(0).methods(), token="t", tls=tls)
+    try:
+        plain = GrpcClient(f"127.0.0.1:{port}", token="t", timeout=5)
+        with pytest.raises(Unavailable, match="the server may require TLS"):
+            plain.status()
+        plain.close()
+    finally:
+        server.stop(0)

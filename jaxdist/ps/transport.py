@@ -19,6 +19,7 @@ Security model (see README "Parameter servers"):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hmac
 import logging
 import os
@@ -150,6 +151,38 @@ class TLSConfig:
     def _read(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
+
+    def validate(self) -> None:
+        """Checks the files before anything is served: each is PEM, and the key belongs to the
+        certificate (Python's ``ssl`` loads them as a server would).
+
+        Raises:
+          ValueError: one line naming the file and the cause.
+        """
+        import ssl
+
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            try:
+                text = self._read(path)
+            except OSError as e:
+                raise ValueError(f"TLS {name} {path}: cannot read it ({e.strerror})") from None
+            if b"-----BEGIN " not in text:
+                raise ValueError(f"TLS {name} {path} is not PEM (no '-----BEGIN' line); convert "
+                                 "it, e.g. openssl x509 -inform der -in F -out F.pem")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as e:
+            why = ("the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e)
+                   else f"they do not load as a certificate chain and its key ({e.reason or e})")
+            raise ValueError(f"TLS cert_file {self.cert_file} and key_file {self.key_file}: "
+                             f"{why}") from None
+        try:
+            ssl.create_default_context(cafile=self.ca_file)
+        except ssl.SSLError as e:
+            raise ValueError(f"TLS ca_file {self.ca_file} holds no usable CA certificate "
+                             f"({e.reason or e})") from None
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self._read(self.key_file),
@@ -427,7 +460,9 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
       ``(server, port)``; ``port`` is the bound port (useful with ``"127.0.0.1:0"``).
 
     Raises:
-      RuntimeError: the address could not be bound.
+      RuntimeError: the address could not be bound (the message says why: the port in use,
+        an address not of this machine, ...).
+      ValueError: a TLS file is not PEM, or its key does not match its certificate.
 
     >>> server, port = serve("127.0.0.1:0", "demo.Echo", {"Echo": lambda req, call: req},
     ...                      token="t")
@@ -456,23 +491,69 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
                  ("grpc.so_reuseport", 0), *_HTTP2])
     server._jaxdist_receiver = receiver  # noqa: SLF001 - for tests and stop()
     if tls is not None:
-        port = server.add_secure_port(address, tls.server_credentials())
-    else:
-        port = server.add_insecure_port(address)
+        tls.validate()  # a bad file would otherwise surface as "Failed to bind"
+    # gRPC reports an unbindable address as a log line and a bare "Failed to bind": find the
+    # cause first with a plain socket (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT)
+    reason = _why_not_bound(address)
+    if reason is not None:
+        receiver.close()
+        raise RuntimeError(f"could not bind {address}: {reason}")
+    try:
+        if tls is not None:
+            port = server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.5x raises where older versions returned 0
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}: is another process using the port?")
+        receiver.close()
+        raise RuntimeError(f"could not bind {address}: gRPC refused it (see its log above)")
     server.start()
     return server, port
 
 
+def _why_not_bound(address: str) -> str | None:
+    """Why ``address`` cannot be bound, found by binding it with a plain socket (None: it can)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as e:
+        return f"cannot resolve it ({e})"
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} is in use by another process"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine"
+            if e.errno == errno.EACCES:
+                return f"no permission to bind port {port}"
+            return e.strerror or str(e)
+    return None
+
+
 def serve_until_stopped(service: Any, address: str, name: str, *, token: str | None,
                         tls: TLSConfig | None = None,
-                        max_receive_bytes: int = (512 << 20) + HEADER_SLACK) -> None:
+                        max_receive_bytes: int = (512 << 20) + HEADER_SLACK,
+                        on_serving: Callable[[int], None] | None = None) -> None:
     """Serves ``service.methods()`` on ``address`` until ``service.stopped`` is set (by the
-    coordinator's ``Shutdown`` call)."""
-    server, _ = serve(address, name, service.methods(), token=token, tls=tls,
-                      max_receive_bytes=max_receive_bytes,
-                      limits=getattr(service, "receive_limit", None))
+    coordinator's ``Shutdown`` call); ``on_serving(port)`` runs once the port is bound.
+
+    Raises:
+      ValueError: a TLS file is not PEM, or the key does not match the certificate.
+      RuntimeError: the address cannot be bound (the message says why: port in use, ...).
+    """
+    server, port = serve(address, name, service.methods(), token=token, tls=tls,
+                         max_receive_bytes=max_receive_bytes,
+                         limits=getattr(service, "receive_limit", None))
+    if on_serving is not None:
+        on_serving(port)
     service.stopped.wait()
     time.sleep(0.2)  # let the Shutdown reply leave before the server stops
     server.stop(grace=1).wait()
@@ -500,6 +581,7 @@ class Channel:
             self._channel = grpc.secure_channel(address, tls.channel_credentials(), options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
+        self._plaintext = tls is None
         self._stubs: dict[str, Any] = {}
 
     def _stub(self, method: str):
@@ -523,7 +605,8 @@ class Channel:
             return self._stub(method)(self._chunks(payload), timeout=timeout,
                                       metadata=self._metadata)
         except grpc.RpcError as e:
-            raise _error(e, f"{self._service}/{method} at {self.address}") from None
+            raise _error(e, f"{self._service}/{method} at {self.address}",
+                         plaintext=self._plaintext) from None
 
     def future(self, method: str, payload: bytes):
         """Starts a call without a deadline; ``result()`` raises ``grpc.RpcError`` (or
@@ -534,9 +617,14 @@ class Channel:
         self._channel.close()
 
 
-def _error(e: grpc.RpcError, where: str) -> Exception:
+def _error(e: grpc.RpcError, where: str, *, plaintext: bool = False) -> Exception:
     code, detail = e.code(), e.details()
     msg = f"{where}: {detail}"
+    if plaintext and code == grpc.StatusCode.UNAVAILABLE and any(
+            s in (detail or "") for s in ("Socket closed", "Connection reset", "handshake",
+                                          "failed to connect")):
+        msg += (" (this client speaks plaintext: the server may require TLS; set "
+                "JAXDIST_PS_TLS_CERT / _KEY / _CA here as on the server, or pass tls=)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return PushRejected(msg)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
