@@ -186,7 +186,8 @@ def check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf
     ValueError: timeout must be a finite number in [0, inf], got nan
     """
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    hi_s = "2**63-1" if integer and hi == MAX_ID else f"{hi:g}"
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi_s}]"
     what = "an integer" if integer else "a finite number"
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise error(f"{name} must be {what} in {rng}, got {type(value).__name__} {value!r}")

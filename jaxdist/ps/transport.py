@@ -41,7 +41,7 @@ from jaxdist.ps.optim import OptimizerSpec
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
            "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE", "TLSConfig",
-           "Call", "ENV_TOKEN", "resolve_token"]
+           "Call", "ENV_TOKEN", "resolve_token", "ReceiveLimits", "CHUNK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
