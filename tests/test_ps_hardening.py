@@ -273,3 +273,13 @@ def test_a_plaintext_client_of_a_tls_server_is_told_it_may_require_tls(tmp_path)
         plain.close()
     finally:
         server.stop(0)
+
+
+def test_strategy_and_placement_numbers_are_checked():
+    from jaxdist.ps import placement as placement_lib
+    from jaxdist.ps.strategy import LocalCluster, ParameterServerStrategy
+
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        ParameterServerStrategy(LocalCluster(1, 1), heartbeat_s=float("nan"))
+    with pytest.raises(ValueError, match="max_shard_bytes must be an integer"):
+        placement_lib.plan({"w": np.zeros(4)}, 1, max_shard_bytes=float("nan"))
