@@ -378,7 +378,14 @@ class _Receiver:
                         continue
                     head = b"".join(parts)
                     parts = []
-                    total = wire.declared_size(head)
+                    try:
+                        total = wire.declared_size(head)
+                    except wire.WireError:
+                        if have > limit:  # too big first, whatever else is wrong with it
+                            raise PushRejected(f"request of more than {limit} bytes refused: "
+                                               "this server's limit for the call",
+                                               "resource_exhausted") from None
+                        raise
                     if total > limit:
                         raise PushRejected(f"request declares {total} bytes; this server's limit "
                                            f"for the call is {limit} (size it from the shard)",
