@@ -10,13 +10,27 @@ restoring "the latest" falls back past such steps to the newest intact one.
 
 Multi-process contract: every process constructs the manager with the same directory and calls
 ``save`` / ``restore`` / ``wait_until_finished`` for the same steps (they synchronise internally).
+
+One job owns a directory: the first ``save`` takes an exclusive ``flock`` on
+``<directory>/.jaxdist-owner.lock`` (process 0 takes it for the whole job, and writes its pid, host
+and command line there), held until ``close()`` or until the process ends, however it ends, so a
+crashed owner never leaves the directory stuck. A second job's first ``save`` raises
+``CheckpointError`` naming the owner. Reading (``restore``, ``metadata``, a side-car evaluator)
+needs no claim.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
 import os
+import socket
+import sys
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -38,6 +52,57 @@ logger = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing or cannot be read; the message names it and the usable ones."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The restore ``target`` differs from what the step holds (dtype, shape or structure).
+
+    Not damage: the step is intact, so ``restore_latest`` raises this at once instead of
+    skipping good steps as corrupt. The message lists what differs.
+    """
+
+
+def _path_name(path) -> str:
+    """A leaf's path with container kinds erased (a TrainState's ``.params`` and a restored
+    dict's ``['params']`` name the same leaf)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _leaf_specs(tree: PyTree) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+        # 64-bit values saved without x64 restore into their 32-bit twins: not a difference
+        out[_path_name(path)] = (shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
+    return out
+
+
+def _differences(saved: PyTree, target: PyTree, limit: int = 6) -> list[str]:
+    """What differs between the saved tree's metadata and a restore target, in words."""
+    want, have = _leaf_specs(saved), _leaf_specs(target)
+    out = []
+    only_saved = sorted(set(want) - set(have))
+    only_target = sorted(set(have) - set(want))
+    if only_saved or only_target:
+        out.append(f"structure: the checkpoint has leaves {only_saved[:limit]} the target lacks, "
+                   f"the target has {only_target[:limit]} the checkpoint lacks")
+    for k in sorted(set(want) & set(have)):
+        (ws, wd), (hs, hd) = want[k], have[k]
+        if wd != hd:
+            out.append(f"{k}: dtype {wd.name} in the checkpoint, {hd.name} in the target")
+        if ws != hs:
+            out.append(f"{k}: shape {ws} in the checkpoint, {hs} in the target")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
 def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
@@ -72,6 +137,61 @@ class Restored(NamedTuple):
     step: int
     state: PyTree
     metadata: dict
+
+
+OWNER_FILE = ".jaxdist-owner.lock"
+# directory -> [open lock file, managers of this process using it]; one job's process may run
+# several managers on one directory (a callback's and the user's), they share the claim.
+_CLAIMS: dict[str, list] = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+def _owner_record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "job": os.environ.get("JAXDIST_COORDINATOR") or os.environ.get("SLURM_JOB_ID"),
+            "argv": " ".join(sys.argv)[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _claim(directory: str) -> str | None:
+    """Takes this process's claim on ``directory`` (an ``flock`` on its owner file, which the
+    kernel drops when the process ends, however it ends); returns None, or the error text
+    naming the owner when another process holds it."""
+    with _CLAIMS_LOCK:
+        if directory in _CLAIMS:
+            _CLAIMS[directory][1] += 1
+            return None
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, OWNER_FILE)
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            owner = fh.read(500).strip() or "unknown (no owner record)"
+            fh.close()
+            return (f"checkpoint directory {directory} is owned by another running job: {owner}. "
+                    "Two jobs writing one directory overwrite each other's steps; give this job "
+                    "its own directory, or stop the other one (its claim ends with its process, "
+                    "even when that process crashed)")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(_owner_record()) + "\n")
+        fh.flush()
+        _CLAIMS[directory] = [fh, 1]
+        return None
+
+
+def _release(directory: str) -> None:
+    with _CLAIMS_LOCK:
+        entry = _CLAIMS.get(directory)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _CLAIMS[directory]
+            with contextlib.suppress(OSError):
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+            entry[0].close()
 
 
 def _all_agree(ok: bool) -> bool:
@@ -138,6 +258,7 @@ class CheckpointManager:
                                                  step_name_format=self._names, **best))
         self._pending: int | None = None  # the step an async save is writing
         self._failed = False
+        self._owner: weakref.finalize | None = None  # this job's claim on the directory
 
     def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
              data_state: dict | None = None, metadata: dict | None = None,
@@ -158,9 +279,12 @@ class CheckpointManager:
         Raises:
           TypeError: ``state`` holds per-replica values (save ``strategy.to_mirrored(state)``).
           ValueError: ``metrics`` lacks ``best_metric``.
-          CheckpointError: this save, or the previous asynchronous one, failed (a full disk, say);
+          CheckpointError: another running job owns the directory (the message names it), or
+            this save, or the previous asynchronous one, failed (a full disk, say);
             the steps on disk stay listed and restorable.
         """
+        if self._owner is None:
+            self._take_ownership()
         if has_per_replica(state):
             raise TypeError(
                 "CheckpointManager.save got per-replica values (the state returned by strategy.run); "
@@ -193,6 +317,17 @@ class CheckpointManager:
             raise
         self._pending = int(step) if started else self._pending
         return started
+
+    def _take_ownership(self) -> None:
+        """Claims the directory for this job before its first save (process 0 claims for the
+        job; every process agrees on the outcome, so all of them raise or none does)."""
+        error = _claim(self.directory) if jax.process_index() == 0 else None
+        if not _all_agree(error is None):
+            raise CheckpointError(error or f"checkpoint directory {self.directory} is owned by "
+                                  "another running job (process 0 of this job names it)")
+        # released on close(), or when this manager is garbage-collected
+        self._owner = weakref.finalize(self, _release, self.directory) if \
+            jax.process_index() == 0 else weakref.finalize(self, lambda: None)
 
     @contextlib.contextmanager
     def _failures(self, what: str):
@@ -267,8 +402,10 @@ class CheckpointManager:
           The restored state.
 
         Raises:
-          CheckpointError: no such step, or its files are corrupt (a digest differs) / do not
-            match ``target``; the message names the step and lists the other steps.
+          CheckpointMismatchError: ``target`` differs from the saved state in dtype, shape or
+            structure (the message lists the differences; the step is not damaged).
+          CheckpointError: no such step, or its files are corrupt (a digest differs); the
+            message names the step and lists the other steps.
         """
         if step is None:
             return self.restore_latest(target=target, strategy=strategy, _required=True).state
@@ -288,6 +425,8 @@ class CheckpointManager:
           ``Restored(step, state, metadata)``, or None when the directory holds no checkpoint.
 
         Raises:
+          CheckpointMismatchError: the newest intact step does not fit ``target`` (dtype, shape
+            or structure); older steps are not tried, and none is reported corrupt.
           CheckpointError: there are steps, but none restores (the message gives each one's error).
 
         >>> import tempfile, jax.numpy as jnp
@@ -309,6 +448,8 @@ class CheckpointManager:
             try:
                 meta = self.metadata(step)
                 state = self._restore(step, target, strategy)
+            except CheckpointMismatchError:
+                raise  # the step is intact; an older one would not fit the target either
             except CheckpointError as e:
                 errors.append(f"step {step}: {e}")
                 logger.warning("skipping checkpoint step %d, falling back to an older one: %s",
@@ -331,7 +472,10 @@ class CheckpointManager:
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
             error = e
         # Across processes a file may fail on one only: all fall back together, never split.
-        if not _all_agree(error is None):
+        ok = _all_agree(error is None)
+        if not ok:
+            # A target of another shape or structure fails to read: say which, not "damaged".
+            self._check_target(step, target)
             msg = (f"{type(error).__name__}: {str(error)[:500]}" if error is not None
                    else "another process could not read its part")
             raise CheckpointError(
@@ -339,8 +483,29 @@ class CheckpointManager:
                 f"`target` has the saved state's structure, shapes and dtypes; if this step's "
                 f"files are damaged, restore another one ({hint})") from error
         if self.verify:
-            self._verify(step, out, hint)
+            self._verify(step, out, hint, target)
         return out
+
+    def _check_target(self, step: int, target: PyTree) -> None:
+        """Raises ``CheckpointMismatchError`` when ``target`` differs from step's saved tree.
+
+        Compared only on the way to reporting a failure (a read error, a digest mismatch), so
+        that a restore that works is never refused by this comparison.
+        """
+        if target is None:
+            return
+        try:
+            saved = self._mgr.item_metadata(step)["state"]
+            saved = getattr(saved, "tree", saved)
+            diffs = _differences(saved, target)
+        except Exception:  # unreadable metadata: that is for the damage path to report
+            return
+        if diffs:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} does not match the restore target "
+                f"(the step is intact; the target differs): {'; '.join(diffs)}. Pass a target "
+                "with the saved structure, shapes and dtypes (cast after restoring), or "
+                "target=None to restore the saved tree as it is")
 
     def _saved_tree(self, step: int) -> PyTree:
         """Shapes and dtypes of the state saved at ``step``, from Orbax's tree metadata."""
@@ -355,7 +520,7 @@ class CheckpointManager:
 
         return jax.tree.map(leaf, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
-    def _verify(self, step: int, state: PyTree, hint: str) -> None:
+    def _verify(self, step: int, state: PyTree, hint: str, target: PyTree = None) -> None:
         if not self.metadata(step).get("digested"):
             logger.info("checkpoint step %d has no digests (written unverified); not checked", step)
             return
@@ -373,6 +538,9 @@ class CheckpointManager:
         now = tree_digests(state)
         bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if bad:
+            # Orbax casts to the target's dtype, so a bfloat16 target digests differently
+            # from the float32 it read: that is the target, not damage.
+            self._check_target(step, target)
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} is corrupt: the arrays read for "
                 f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} differ from what was saved "
@@ -391,6 +559,14 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: metadata cannot be "
                                   f"read ({type(e).__name__}: {e})") from e
+        # Required whenever the step was written with digests (which came with checksums): a
+        # flipped bit in the key "checksum" must not switch the check off.
+        digested = bool(meta.get("digested")) or os.path.isdir(
+            os.path.join(self.directory, self._names.build_name(step), "digests"))
+        if "checksum" not in meta and digested:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory}: its metadata "
+                                  "lacks its checksum though the step was written with digests "
+                                  "(a damaged or altered file); restore another step")
         if "checksum" in meta and meta["checksum"] != meta_checksum(meta):
             raise CheckpointError(f"checkpoint step {step} in {self.directory}: its metadata "
                                   "fails its checksum (a damaged or altered file); restore "
@@ -429,6 +605,9 @@ class CheckpointManager:
             self._mgr.reload()
             raise CheckpointError(f"a checkpoint save in {self.directory} failed: {e}; steps "
                                   f"on disk: {self.all_steps() or 'none'}") from e
+        finally:
+            if self._owner is not None:
+                self._owner()  # gives the directory back (once)
 
     def __enter__(self):
         return self

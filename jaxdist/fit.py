@@ -217,6 +217,16 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
     return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
 
 
+_EMPTY = ("fit data is empty: {n} examples give no batch of global size {gb}, so there is "
+          "nothing to train on. Check the data (an empty train split, a filter that drops "
+          "everything) and the batch size")
+
+
+def _num_examples(dataset: Any) -> Any:
+    n = getattr(dataset, "num_examples", None)
+    return n if isinstance(n, int) else "its"
+
+
 def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
@@ -240,7 +250,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       ``History`` with ``history`` (per-epoch metrics), ``state`` (trained) and ``epochs``.
 
     Raises:
-      ValueError: ``max_in_flight`` out of range, or a step returning non-scalar metrics.
+      ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
+        batch, or a step returning non-scalar metrics.
     """
     check_max_in_flight(max_in_flight)
     strategy = _strategy_of(train_step, data)
@@ -259,7 +270,13 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     except TypeError:
         planned = None
     if steps_per_epoch is not None:
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch}; expected >= 1 (or None: one "
+                             "pass over the data)")
         planned = steps_per_epoch if planned is None else min(planned, steps_per_epoch)
+    if planned == 0:
+        raise ValueError(_EMPTY.format(n=_num_examples(dataset),
+                                       gb=dataset.global_batch_size))
     info = TrainInfo(epoch=initial_epoch, state=state, steps_per_epoch=planned, epochs=epochs,
                      global_batch_size=dataset.global_batch_size, strategy=strategy)
     history: dict[str, list[float]] = collections.defaultdict(list)
@@ -305,6 +322,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
                     if info.stop_training or (steps_per_epoch is not None
                                               and info.epoch_steps >= steps_per_epoch):
                         break
+            if info.epoch_steps == 0 and position == 0:  # a dataset without a length
+                raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
             info.logs = meter.drain()
             if eval_step is not None and eval_data is not None:
                 val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)

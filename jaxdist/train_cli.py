@@ -101,13 +101,25 @@ def _load_data(args) -> tuple[tuple, tuple]:
     from jaxdist import datasets
 
     if args.data:
-        out = _load_factory(args.data, "--data")()
+        factory = _load_factory(args.data, "--data")
+        try:
+            out = factory()
+        except Exception as e:  # the user's code: one line naming it, not a traceback
+            _fail(f"--data {args.data}: the factory raised {type(e).__name__}: {_one_line(e)}")
         try:
             (x, y), (xt, yt) = out
-        except (TypeError, ValueError):
+            arrays = tuple(np.asarray(a) for a in (x, y, xt, yt))
+        except Exception:
             _fail(f"--data {args.data}: the factory must return ((x_train, y_train), (x_test, "
-                  f"y_test)), got {type(out).__name__}")
-        return (np.asarray(x), np.asarray(y)), (np.asarray(xt), np.asarray(yt))
+                  f"y_test)) of numpy arrays, got {type(out).__name__}")
+        x, y, xt, yt = arrays
+        if x.dtype.kind not in "biuf" or xt.dtype.kind not in "biuf":
+            _fail(f"--data {args.data}: inputs must be numeric arrays, got {x.dtype} / {xt.dtype}")
+        for name, xs, ys in (("train", x, y), ("test", xt, yt)):
+            if xs.ndim == 0 or ys.ndim != 1 or len(xs) != len(ys):
+                _fail(f"--data {args.data}: {name} inputs {xs.shape} and labels {ys.shape} do not "
+                      "pair up; expected x [n, ...] and y [n]")
+        return (x, y), (xt, yt)
     if args.dataset == "digits":
         return datasets.digits(seed=args.seed)
     if args.dataset == "mnist":
@@ -120,6 +132,55 @@ def _load_data(args) -> tuple[tuple, tuple]:
     # One draw, then split: train and test must share the labelling teacher.
     x, y = datasets.synthetic(5120, seed=args.seed)
     return (x[:4096], y[:4096]), (x[4096:], y[4096:])
+
+
+# Classes of the built-in datasets: their labels must lie in [0, K). MNIST's IDX files (and
+# drop-ins such as Fashion-MNIST) have 10.
+_BUILTIN_CLASSES = {"digits": 10, "mnist": 10, "synthetic": 10}
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] + (" ..." if len(text) > 300 else "")
+
+
+def _num_classes(args, y, yt) -> int:
+    """The class count, and labels checked against it (a one-line error, never a traceback).
+
+    Rule: a built-in dataset has a fixed count (``_BUILTIN_CLASSES``); labels outside
+    ``[0, K)`` are refused. For ``--data`` the labels are ids ``0..K-1`` with ``K = max(train
+    label) + 1``: a test label the training split never reaches is refused, and a K more than
+    twice the number of distinct training labels (labels such as 0 and 200) is refused as not
+    ids. The model is never sized from a stray large label.
+    """
+    import numpy as np
+
+    source = f"--data {args.data}" if args.data else f"--dataset {args.dataset}"
+    if len(y) == 0:
+        _fail(f"{source}: the train split is empty (0 examples); nothing to train on")
+    for name, labels in (("train", y), ("test", yt)):
+        if labels.dtype.kind not in "iu":
+            _fail(f"{source}: {name} labels have dtype {labels.dtype}; expected integer class "
+                  "ids 0..K-1")
+        if len(labels) and labels.min() < 0:
+            _fail(f"{source}: {name} labels include {int(labels.min())}; class ids start at 0")
+    if not args.data:
+        k = _BUILTIN_CLASSES[args.dataset]
+        for name, labels in (("train", y), ("test", yt)):
+            if len(labels) and labels.max() >= k:
+                _fail(f"{source}: {name} labels include {int(labels.max())}, but this dataset "
+                      f"has {k} classes (ids 0..{k - 1}); the files are not {args.dataset} labels")
+        return k
+    k = int(y.max()) + 1
+    if len(yt) and yt.max() >= k:
+        _fail(f"{source}: test labels include {int(yt.max())}, but the training labels stop at "
+              f"{k - 1}; a class the model never trains on cannot be predicted")
+    distinct = len(np.unique(y))
+    if k > 2 * distinct:
+        _fail(f"{source}: the largest training label is {k - 1} but only {distinct} distinct "
+              f"labels occur; labels must be class ids 0..K-1 (remap them, e.g. with "
+              "np.unique(y, return_inverse=True))")
+    return k
 
 
 def _build_model(args, num_classes: int):
@@ -229,7 +290,7 @@ def train(args: argparse.Namespace) -> int:
               + (f" x --accumulate {args.accumulate}" if args.accumulate > 1 else ""))
     cbs = _callbacks(args)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    num_classes = int(max(y.max(), yt.max())) + 1
+    num_classes = _num_classes(args, y, yt)
     say(f"jaxdist {jaxdist.__version__}: {type(strategy).__name__} over {n} "
         f"{jax.default_backend()} device(s) in {jax.process_count()} process(es); {args.model} on "
         f"{args.data or args.dataset} ({len(x)} train / {len(xt)} test), global batch "
@@ -268,8 +329,8 @@ def evaluate(args: argparse.Namespace) -> int:
     import jaxdist
     from jaxdist import evaluator, models
 
-    _, (xt, yt) = _load_data(args)
-    model = _build_model(args, int(yt.max()) + 1)
+    (_, y), (xt, yt) = _load_data(args)
+    model = _build_model(args, _num_classes(args, y, yt))
     strategy = jaxdist.MirroredStrategy(jax.local_devices())
     n = strategy.num_replicas_in_sync
     batch = max(n, args.batch_size // n * n)

@@ -62,8 +62,9 @@ def test_missing_and_corrupt_checkpoints_leave_older_ones_usable(tmp_path):
     _assert_trees_equal(mgr.restore(1, target=_state()), first)
     # Without a step, the newest step that restores intact (a warning names step 2).
     _assert_trees_equal(mgr.restore(target=_state()), first)
-    # A target of the wrong structure is reported the same way.
-    with pytest.raises(CheckpointError, match=r"Check that `target` has the saved state's structure"):
+    # A target of the wrong structure is named as such (issue 19: not as damage).
+    with pytest.raises(CheckpointError, match=r"does not match the restore target \(the step is "
+                                              r"intact.*structure: "):
         mgr.restore(1, target={"w": np.zeros(3)})
     mgr.close()
 

@@ -175,3 +175,49 @@ def test_after_a_failed_async_save_the_steps_on_disk_stay_listed(tmp_path, monke
     mgr.wait_until_finished()
     assert mgr.all_steps() == [3]
     mgr.close()
+
+
+# --- issue 19 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: {**s, "w": s["w"].astype(jnp.bfloat16)}, "w: dtype float32 in the checkpoint, "
+                                                         "bfloat16 in the target"),
+    (lambda s: {**s, "w": s["w"].astype(jnp.int32)}, "w: dtype float32 in the checkpoint, int32"),
+    (lambda s: {**s, "b": jnp.zeros(65)}, "b: shape (64,) in the checkpoint, (65,) in the target"),
+    (lambda s: {"w": s["w"], "b": s["b"], "extra": jnp.zeros(2), "step": s["step"]},
+     "structure: the checkpoint has leaves [] the target lacks, the target has ['extra']")])
+def test_a_target_of_another_dtype_shape_or_structure_is_named_not_called_corrupt(tmp_path,
+                                                                                   change, words):
+    # before: "checkpoint step N ... is corrupt ... digest mismatch", and restore_latest then
+    # skipped every (good) step as corrupt
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, _state())
+        mgr.save(2, _state())
+    target = change(_zeros(_state()))
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(jaxdist.checkpoint.CheckpointMismatchError) as e:
+            mgr.restore(2, target=target)
+        assert words in str(e.value) and "corrupt" not in str(e.value), str(e.value)
+        with pytest.raises(jaxdist.checkpoint.CheckpointMismatchError, match="step 2 .*intact"):
+            mgr.restore_latest(target=target)
+        # the steps are good: a matching target restores the newest
+        assert mgr.restore_latest(target=_zeros(_state())).step == 2
+
+
+def test_a_flipped_bit_in_the_checksum_key_does_not_switch_the_metadata_check_off(tmp_path):
+    # before: metadata() verified the checksum only `if "checksum" in meta`
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, _state(), data_state={"epoch": 0, "position": 3})
+    path = tmp_path / "1" / "meta" / "metadata"
+    text = path.read_text()
+    assert '"checksum"' in text
+    path.write_text(text.replace('"checksum"', '"checksuM"').replace('"position": 3',
+                                                                     '"position": 2'))
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(CheckpointError, match="step 1 .*lacks its checksum"):
+            mgr.metadata(1)
+    # one flip in "digested" as well cannot help: the digests item is there on disk
+    path.write_text(text.replace('"checksum"', '"checksuM"').replace('"digested"', '"digesteD"'))
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(CheckpointError, match="lacks its checksum"):
+            mgr.metadata(1)

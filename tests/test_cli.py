@@ -137,3 +137,68 @@ def test_train_multi_worker_under_launch_is_one_job():
     assert proc.returncode == 0, out[-3000:]
     assert f"[0] jaxdist {jaxdist.__version__}: MultiWorkerMirroredStrategy over 4 cpu device(s) in 2 process(es)" in out
     assert "[0] test accuracy:" in out and "[1] test accuracy:" not in out
+
+
+# --- issue 19: data and labels ----------------------------------------------------------------------
+
+BAD_DATA = """
+import numpy as np
+def labels_200():
+    x = np.zeros((64, 4), np.float32)
+    y = np.arange(64) % 2 * 200
+    return (x, y), (x[:8], y[:8])
+def raises():
+    raise KeyError("column 'label' not found")
+def empty():
+    return (np.zeros((0, 4), np.float32), np.zeros(0, np.int32)), (np.zeros((8, 4)), np.zeros(8, int))
+def unseen_test_class():
+    x = np.zeros((64, 4), np.float32)
+    return (x, np.arange(64) % 3), (x[:8], np.full(8, 5))
+def unpaired():
+    return (np.zeros((64, 4)), np.zeros(63, int)), (np.zeros((8, 4)), np.zeros(8, int))
+"""
+
+
+def _train_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"data": None, "dataset": "digits", "data_dir": None, "seed": 0,
+                                 **kw})
+
+
+@pytest.mark.parametrize("factory, text", [
+    ("labels_200", "the largest training label is 200 but only 2 distinct labels occur"),
+    ("raises", "the factory raised KeyError: \"column 'label' not found\""),
+    ("empty", "the train split is empty (0 examples)"),
+    ("unseen_test_class", "test labels include 5, but the training labels stop at 2"),
+    ("unpaired", "train inputs (64, 4) and labels (63,) do not pair up")])
+def test_train_data_errors_are_one_line_messages(tmp_path, monkeypatch, factory, text):
+    # before: labels 0/200 trained a 201-class model and exited 0; a raising factory, an empty
+    # or unpaired split ended in tracebacks ("zero-size array to reduction operation maximum")
+    from jaxdist import train_cli
+
+    (tmp_path / "bad_data.py").write_text(BAD_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = _train_args(data=f"bad_data:{factory}")
+    with pytest.raises(SystemExit) as e:
+        (x, y), (xt, yt) = train_cli._load_data(args)
+        train_cli._num_classes(args, y, yt)
+    msg = str(e.value.code)
+    assert msg.startswith("jaxdist train: --data bad_data:") and len(msg.splitlines()) == 1
+    assert text in msg, msg
+
+
+def test_mnist_labels_outside_its_ten_classes_are_refused(tmp_path):
+    # before: IDX labels of 200 sized a 201-class model; training exited 0, test accuracy 0.0000
+    import numpy as np
+
+    from tests.test_datasets import _write_idx
+
+    for split, n in (("train", 32), ("t10k", 8)):
+        _write_idx(str(tmp_path / f"{split}-images-idx3-ubyte"), np.zeros((n, 28, 28), np.uint8),
+                   False)
+        _write_idx(str(tmp_path / f"{split}-labels-idx1-ubyte"),
+                   np.full(n, 200 if split == "train" else 3, np.uint8), False)
+    _one_line_error(run_python(["-m", "jaxdist.cli", "train", "--dataset", "mnist", "--data-dir",
+                                str(tmp_path), "--quiet", "--epochs", "1"], timeout=120),
+                    "--dataset mnist: train labels include 200, but this dataset has 10 classes")

@@ -85,3 +85,30 @@ def test_tf_config_index_of_the_wrong_type_is_not_an_integer(index):
                                          r"\(a JSON .*\).*expected a number in 0..1") as info:
         ClusterSpec.from_tf_config(config)
     assert "out of range" not in str(info.value)
+
+
+# --- issue 19 -----------------------------------------------------------------------------------
+
+def test_terminate_on_nan_fires_when_an_epoch_is_shorter_than_the_run_ahead_window():
+    # before: 3 epochs of 4 steps (= max_in_flight) all trained on NaN, stopped_step None
+    x, y = _data()
+    x = np.full_like(x[:16], np.nan)
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    with pytest.warns(RuntimeWarning):
+        data = s.distribute((x, y[:16]), 4)
+    cb = jaxdist.callbacks.TerminateOnNaN()
+    history = jaxdist.fit(s.step(models.classifier_train_step), state, data, epochs=3,
+                          callbacks=[cb], verbose=0)
+    assert history.epochs == [0] and cb.stopped_step == 4
+
+
+def test_fit_on_an_empty_dataset_raises_a_clear_error():
+    # before: an empty history, no error, and epoch 0 skipped as if resumed
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    data = s.distribute((np.zeros((0, 3), np.float32), np.zeros((0,), np.int32)), 4)
+    with pytest.raises(ValueError, match="fit data is empty: 0 examples give no batch"):
+        jaxdist.fit(lambda st, b: (st, {"loss": st.sum()}), jax.numpy.zeros(3), data, verbose=0)
+    with pytest.raises(ValueError, match="steps_per_epoch=0"):
+        jaxdist.fit(lambda st, b: (st, {"loss": st.sum()}), jax.numpy.zeros(3),
+                    s.distribute(_data(), 4), steps_per_epoch=0, verbose=0)

@@ -234,7 +234,9 @@ class TerminateOnNaN(Callback):
     As in Keras, it watches ``logs["loss"]`` after every batch and does nothing when the logs have
     no such key. ``fit`` reads metrics a few steps late (bounded run-ahead), so training stops
     within those few steps of the first NaN; the logs are running means over the epoch, so once
-    NaN they stay NaN.
+    NaN they stay NaN. It checks again at each epoch's end, where ``fit`` has read every step, so
+    an epoch shorter than the run-ahead window still stops training (``stopped_step`` is then the
+    epoch's last step).
 
     Args:
       monitor: the log to watch (``"loss"`` as Keras; change it if your step names it otherwise).
@@ -251,6 +253,15 @@ class TerminateOnNaN(Callback):
         self.stopped_step: int | None = None
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
+        self._check(info)
+
+    def on_epoch_end(self, info: TrainInfo) -> None:
+        # ``fit`` reads an epoch's last metrics only at its end: an epoch of at most
+        # ``max_in_flight`` steps shows no loss to ``on_train_batch_end`` at all.
+        if self.stopped_step is None:
+            self._check(info)
+
+    def _check(self, info: TrainInfo) -> None:
         value = info.logs.get(self.monitor)
         if value is not None and not math.isfinite(float(value)):
             self.stopped_step = info.step

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import runpy
 import sys
@@ -82,12 +83,25 @@ def _run_task(args: argparse.Namespace) -> int:
             print(f"jaxdist ps: {e}", file=sys.stderr)
             return 2
         address = spec.ps[spec.task_index]
-        print(f"jaxdist ps: ps {spec.task_index} serving on {address}"
-              f"{' (TLS)' if tls else ''}{'' if token else ' WITHOUT authentication'}",
-              flush=True)
-        serve_until_stopped(PSService(spec.task_index, checkpoint_dir=args.checkpoint_dir),
-                            address, PS_SERVICE, token=token, tls=tls,
-                            max_receive_bytes=int(args.max_message_mb * (1 << 20)) + HEADER_SLACK)
+
+        def serving(port: int) -> None:
+            print(f"jaxdist ps: ps {spec.task_index} serving on {address}"
+                  f"{' (TLS)' if tls else ''}{'' if token else ' WITHOUT authentication'}",
+                  flush=True)
+
+        try:
+            if not (math.isfinite(args.max_message_mb) and args.max_message_mb > 0):
+                raise ValueError(f"--max-message-mb {args.max_message_mb}: expected a finite "
+                                 "number > 0")
+            if tls is not None:
+                tls.validate()  # before anything is served or printed
+            serve_until_stopped(PSService(spec.task_index, checkpoint_dir=args.checkpoint_dir),
+                                address, PS_SERVICE, token=token, tls=tls,
+                                max_receive_bytes=int(args.max_message_mb * (1 << 20))
+                                + HEADER_SLACK, on_serving=serving)
+        except (ValueError, RuntimeError) as e:
+            print(f"jaxdist ps: ps {spec.task_index} on {address}: {e}", file=sys.stderr)
+            return 2
         return 0
     if not args.script:
         print(f"jaxdist ps: role {spec.task_type} runs the job script: jaxdist ps --role "

@@ -23,7 +23,7 @@ import grpc
 
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
-from jaxdist.ps.server import UpdateRecord
+from jaxdist.ps.server import UpdateRecord, check_number
 from jaxdist.ps.transport import Channel, ServerClient, TLSConfig, Unavailable
 from jaxdist.ps.worker import WORKER_SERVICE, AckBook, WorkerRuntime, name_of, to_plain
 
@@ -69,6 +69,8 @@ class RemoteValue:
           ClosureError: the function raised on its worker.
           TimeoutError: not finished within ``timeout`` seconds.
         """
+        if timeout is not None:
+            timeout = check_number("fetch timeout", timeout)
         if not self._event.wait(timeout):
             raise TimeoutError(f"closure {self.closure_id} not finished after {timeout}s")
         if self._error is not None:
@@ -274,8 +276,9 @@ class ClusterCoordinator:
         self._last_ok = {w.index: time.monotonic() for w in self.workers}
         self._acks = AckBook()
         self.rescheduled = 0
-        self._heartbeat_s, self._dead_after_s = heartbeat_s, dead_after_s
-        self._max_attempts = max_attempts
+        self._heartbeat_s = check_number("heartbeat_s", heartbeat_s, lo_open=True)
+        self._dead_after_s = check_number("dead_after_s", dead_after_s, lo_open=True)
+        self._max_attempts = check_number("max_attempts", max_attempts, lo=1, integer=True)
         self._on_shutdown = on_shutdown
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._dispatch, args=(w,), daemon=True,
@@ -325,6 +328,8 @@ class ClusterCoordinator:
           TimeoutError: closures were still unfinished after ``timeout`` seconds.
         """
         with self._cond:
+            if timeout is not None:
+                timeout = check_number("join timeout", timeout)
             if not self._cond.wait_for(lambda: self._unfinished == 0, timeout):
                 alive = [i for i, a in self._alive.items() if a]
                 raise TimeoutError(f"{self._unfinished} closure(s) unfinished after {timeout}s; "

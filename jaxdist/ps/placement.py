@@ -151,8 +151,9 @@ def plan(tree: Any, num_shards: int, *, method: str = "greedy",
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     for name, v in (("max_shard_bytes", max_shard_bytes), ("num_partitions", num_partitions)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be >= 1 or None, got {v}")
+        if v is not None:  # an integer: NaN or 2.5 would pass a plain `v < 1` check
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
     flat, _ = flatten(tree)
     leaves = {k: (tuple(int(d) for d in np.shape(v)), np.dtype(v.dtype).name)
               for k, v in flat.items()}

@@ -16,8 +16,10 @@ after a failure returns ``"duplicate"``). Each applied push is logged as an :cla
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -31,7 +33,8 @@ import orbax.checkpoint as ocp
 from jaxdist.ps import wire
 from jaxdist.ps.optim import OptimizerSpec
 
-__all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "ParameterServer"]
+__all__ = ["PushRejected", "ServerConfig", "UpdateRecord", "PushResult", "ParameterServer",
+           "check_number"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,12 @@ class ServerConfig:
       max_waiters: most pulls waiting at once; one more is refused at once with
         ``resource_exhausted`` (remote clients back off and retry), so waiting callers can
         never take every handler thread of the server.
+      dedup_window: step ids remembered for exactly-once: the newest this many taken ids. An
+        id older than all of them (a push delayed behind ``dedup_window`` newer updates) is
+        answered ``"duplicate"`` and dropped, never applied twice.
+      log_window: update records kept in ``ParameterServer.log`` (the newest);
+        ``status()["applied"]`` still counts every applied push. Both windows bound memory and
+        the cost of a checkpoint whatever the length of the run.
     """
 
     staleness: int | None = None
@@ -79,8 +88,20 @@ class ServerConfig:
     nonfinite: str = "reject"
     max_wait_s: float = 30.0
     max_waiters: int = 16
+    dedup_window: int = 100_000
+    log_window: int = 10_000
 
     def __post_init__(self):
+        # Types and finiteness first: a NaN or float here (e.g. from a remote Init) would pass
+        # every comparison below and switch a bound off silently.
+        for name in ("staleness", "sync_replicas"):
+            if getattr(self, name) is not None:
+                check_number(f"ServerConfig.{name}", getattr(self, name), integer=True,
+                             hi=MAX_ID)
+        for name in ("max_push_bytes", "checkpoint_every", "max_waiters", "dedup_window",
+                     "log_window"):
+            check_number(f"ServerConfig.{name}", getattr(self, name), integer=True, hi=MAX_ID)
+        check_number("ServerConfig.max_wait_s", self.max_wait_s, lo_open=True, hi=1e9)
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"staleness must be >= 0 or None, got {self.staleness}")
         if self.sync_replicas is not None and self.sync_replicas < 1:
@@ -88,6 +109,9 @@ class ServerConfig:
         if self.staleness is not None and self.sync_replicas is not None:
             raise ValueError("staleness and sync_replicas are exclusive: synchronous mode only "
                              "accepts pushes computed on the current version")
+        if self.dedup_window < 1 or self.log_window < 1:
+            raise ValueError(f"dedup_window ({self.dedup_window}) and log_window "
+                             f"({self.log_window}) must be >= 1")
         if self.max_push_bytes < 1 or self.checkpoint_every < 1:
             raise ValueError(f"max_push_bytes ({self.max_push_bytes}) and checkpoint_every "
                              f"({self.checkpoint_every}) must be >= 1")
@@ -132,6 +156,48 @@ class PushResult:
     restored_version: int
 
 
+def check_number(name: str, value: Any, *, lo: float = 0.0, hi: float = math.inf,
+                 integer: bool = False, lo_open: bool = False, error: type = ValueError):
+    """``value`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or raises.
+
+    Every number that reaches the parameter-server code from a caller or the network goes
+    through here: NaN passes ``min``/``max`` clamps and ``<``/``>`` checks unnoticed (a NaN
+    timeout made ``Condition.wait_for`` spin), so finiteness is checked first.
+
+    Args:
+      name: the parameter's name, for the message.
+      value: the value to check (``bool`` is refused: it is not a count or a duration).
+      lo, hi: the accepted range.
+      integer: require an ``int`` (or numpy integer).
+      lo_open: exclude ``lo`` itself.
+      error: the exception type to raise.
+
+    Returns:
+      ``value`` as ``int`` (``integer=True``) or ``float``.
+
+    Raises:
+      ValueError: (or ``error``) ``value`` is not a number, not finite or out of range.
+
+    >>> check_number("timeout", 2)
+    2.0
+    >>> check_number("timeout", float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout must be a finite number in [0, inf], got nan
+    """
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    hi_s = "2**63-1" if integer and hi == MAX_ID else f"{hi:g}"
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi_s}]"
+    what = "an integer" if integer else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise error(f"{name} must be {what} in {rng}, got {type(value).__name__} {value!r}")
+    if not integer and not math.isfinite(float(value)):
+        raise error(f"{name} must be {what} in {rng}, got {value!r}")
+    if not (lo < value if lo_open else lo <= value) or not value <= hi:
+        raise error(f"{name} must be {what} in {rng}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise PushRejected(f"{name} must be an integer, got {type(value).__name__}")
@@ -169,14 +235,22 @@ class ParameterServer:
         self._tx = optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
         self._params = {k: jax.numpy.asarray(v) for k, v in params.items()}
         self._shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in self._params.items()}
+        #: bytes of one gradient push to this shard (what a receiver needs to accept)
+        self.shard_bytes = sum(math.prod(s) * d.itemsize for s, d in self._shapes.values())
         self._opt_state = self._tx.init(self._params)
         self._apply = jax.jit(self._apply_fn)
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self.version = 0
         self.restored_version = -1
-        self._taken: set[int] = set()  # applied or pending step ids
+        # Exactly-once within a window: the newest dedup_window taken (applied or pending) step
+        # ids, in the order taken; ids at or below _floor fell out of it and count as taken.
+        self._taken: set[int] = set()
+        self._order: collections.deque[int] = collections.deque()
+        self._floor = -1
         self._pending: dict[int, tuple[int, int, Mapping[str, np.ndarray]]] = {}
-        self.log: list[UpdateRecord] = []
+        # the newest log_window UpdateRecords, a ring of int64 rows; _applied counts them all
+        self._log = np.full((config.log_window, 4), -1, np.int64)
+        self._applied = 0
         self.rejected_nonfinite = 0
         self._waiters = 0
         self._cond = threading.Condition()
@@ -234,7 +308,7 @@ class ParameterServer:
         self._validate(grads)
         with self._cond:
             sync = self.config.sync_replicas
-            if step_id in self._taken:
+            if step_id in self._taken or step_id <= self._floor:
                 status = "duplicate"
             elif version > self.version or (
                     self.config.staleness is not None
@@ -243,7 +317,7 @@ class ParameterServer:
                 # A version from the future means this server restarted from a checkpoint.
                 status = "stale"
             elif sync is not None:
-                self._taken.add(step_id)
+                self._take(step_id)
                 self._pending[step_id] = (worker, version, grads)
                 status = "pending"
                 if len(self._pending) >= sync:
@@ -257,15 +331,38 @@ class ParameterServer:
                     self._update(mean, [(s, w, v) for s, (w, v, _) in pend.items()])
                     status = "applied"
             else:
-                self._taken.add(step_id)
+                self._take(step_id)
                 self._update(grads, [(step_id, worker, version)])
                 status = "applied"
             version_out = self.version + (1 if status == "pending" else 0)
             return PushResult(status, version_out, self.incarnation, self.restored_version)
 
+    def _take(self, step_id: int) -> None:
+        self._taken.add(step_id)
+        self._order.append(step_id)
+        while len(self._order) > self.config.dedup_window:
+            old = self._order.popleft()
+            self._taken.discard(old)
+            self._floor = max(self._floor, old)
+
+    @property
+    def log(self) -> list[UpdateRecord]:
+        """The newest ``ServerConfig.log_window`` applied pushes, oldest first."""
+        with self._cond:
+            return [UpdateRecord(*map(int, r)) for r in self._log_rows()]
+
+    def _log_rows(self) -> np.ndarray:
+        n, cap = self._applied, len(self._log)
+        if n <= cap:
+            return self._log[:n].copy()
+        return np.roll(self._log, -(n % cap), axis=0)
+
     def _update(self, grads: Mapping[str, Any], records: list[tuple[int, int, int]]) -> None:
         self._params, self._opt_state = self._apply(self._params, self._opt_state, dict(grads))
-        self.log.extend(UpdateRecord(s, w, v, self.version) for s, w, v in records)
+        cap = len(self._log)
+        for s, w, v in records:
+            self._log[self._applied % cap] = (s, w, v, self.version)
+            self._applied += 1
         self.version += 1
         self._cond.notify_all()
         if self.config.checkpoint_dir and self.version % self.config.checkpoint_every == 0:
@@ -282,13 +379,15 @@ class ParameterServer:
 
         Raises:
           TimeoutError: ``min_version`` was not reached in time (or the wait was cancelled).
-          PushRejected: ``min_version`` is not an integer in [0, 2**63), or
+          PushRejected: ``min_version`` is not an integer in [0, 2**63), ``timeout`` is not a
+            finite number >= 0, or
             ``max_waiters`` pulls are already waiting (code ``resource_exhausted``).
         """
         if min_version is not None:
             min_version = _check_int("min_version", min_version)
         wait_s = self.config.max_wait_s if timeout is None else min(
-            max(float(timeout), 0.0), self.config.max_wait_s)
+            check_number("pull timeout", timeout, hi=math.inf, error=PushRejected),
+            self.config.max_wait_s)
         with self._cond:
             if min_version is not None and self.version < min_version:
                 if self._waiters >= self.config.max_waiters:
@@ -317,7 +416,7 @@ class ParameterServer:
         with self._cond:
             return {"index": self.index, "version": self.version,
                     "incarnation": self.incarnation, "restored_version": self.restored_version,
-                    "pending": len(self._pending), "applied": len(self.log),
+                    "pending": len(self._pending), "applied": self._applied,
                     "rejected_nonfinite": self.rejected_nonfinite, "waiters": self._waiters,
                     "keys": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
 
@@ -343,8 +442,8 @@ class ParameterServer:
         Orbax refuses zero-size arrays, so ``taken`` and ``log`` carry one leading -1 row.
         """
         if like is None:
-            taken = np.fromiter(sorted(self._taken), np.int64, len(self._taken))
-            log = np.array([dataclasses.astuple(r) for r in self.log], np.int64).reshape(-1, 4)
+            taken = np.fromiter(self._order, np.int64, len(self._order))  # in taken order
+            log = self._log_rows()
             return {"params": {k: np.asarray(v) for k, v in self._params.items()},
                     "opt_state": [np.asarray(v) for v in
                                   jax.tree_util.tree_leaves(self._opt_state)],
@@ -362,8 +461,9 @@ class ParameterServer:
             self._ckpt = self._manager(self.config.checkpoint_dir, self.index)
         meta = {"format": _CKPT_FORMAT, "index": self.index, "version": self.version,
                 "optimizer": self._spec.to_dict() if self._spec else None,
-                "config": self.config.to_dict(), "n_taken": len(self._taken),
-                "n_log": len(self.log),
+                "config": self.config.to_dict(), "n_taken": len(self._order),
+                "n_log": min(self._applied, len(self._log)), "applied": self._applied,
+                "floor": self._floor,
                 "params": {k: [d.name, list(s)] for k, (s, d) in self._shapes.items()}}
         self._ckpt.save(self.version, args=ocp.args.Composite(
             state=ocp.args.StandardSave(self._arrays(0, 0)), meta=ocp.args.JsonSave(meta)),
@@ -385,8 +485,14 @@ class ParameterServer:
             treedef, [jax.numpy.asarray(v) for v in state["opt_state"]])
         self._params = {k: jax.numpy.asarray(v) for k, v in state["params"].items()}
         self.version = self.restored_version = int(meta["version"])
-        self._taken = set(state["taken"][1:].tolist())
-        self.log = [UpdateRecord(*map(int, r)) for r in state["log"][1:]]
+        # (a checkpoint written before the windows holds every id and record: keep the newest)
+        self._floor = int(meta.get("floor", -1))
+        for step_id in state["taken"][1:].tolist():
+            self._take(step_id)
+        rows = state["log"][1:][-len(self._log):]
+        self._applied = int(meta.get("applied", len(state["log"]) - 1))
+        for j, row in enumerate(rows):  # ring positions of applied pushes applied-k .. applied-1
+            self._log[(self._applied - len(rows) + j) % len(self._log)] = row
         self._ckpt = mgr
 
     @classmethod

@@ -27,7 +27,7 @@ import optax
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
-from jaxdist.ps.server import ParameterServer, ServerConfig
+from jaxdist.ps.server import ParameterServer, ServerConfig, check_number
 from jaxdist._retry import retry
 from jaxdist.cluster import ClusterSpec
 from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERVICE, PSService,
@@ -125,8 +125,10 @@ class ParameterServerStrategy:
         self.config = ServerConfig(staleness=staleness, sync_replicas=sync_replicas,
                                    max_push_bytes=max_push_bytes, checkpoint_dir=checkpoint_dir,
                                    checkpoint_every=checkpoint_every, nonfinite=nonfinite)
-        self._liveness = dict(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
-        self.retry_timeout_s = retry_timeout_s
+        self._liveness = dict(heartbeat_s=check_number("heartbeat_s", heartbeat_s, lo_open=True),
+                              dead_after_s=check_number("dead_after_s", dead_after_s,
+                                                        lo_open=True))
+        self.retry_timeout_s = check_number("retry_timeout_s", retry_timeout_s)
         self.worker_strategy = worker_strategy
         self.placement: placement_lib.Placement | None = None
         if isinstance(cluster, LocalCluster):  # threads of this process: no network, no token

@@ -19,6 +19,7 @@ Security model (see README "Parameter servers"):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hmac
 import logging
 import os
@@ -34,12 +35,13 @@ import numpy as np
 from jaxdist._retry import retry
 from jaxdist.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
-from jaxdist.ps.server import ParameterServer, PushRejected, PushResult, ServerConfig, UpdateRecord
+from jaxdist.ps.server import (ParameterServer, PushRejected, PushResult, ServerConfig,
+                               UpdateRecord, check_number)
 from jaxdist.ps.optim import OptimizerSpec
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
            "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE", "TLSConfig",
-           "Call", "ENV_TOKEN", "resolve_token"]
+           "Call", "ENV_TOKEN", "resolve_token", "ReceiveLimits", "CHUNK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,9 @@ PS_SERVICE = "jaxdist.ps.ParameterServer"
 ENV_TOKEN = ENV_PS_TOKEN
 _TOKEN_KEY = "x-jaxdist-token"
 HEADER_SLACK = 1 << 20
+# Requests travel as a stream of chunks of at most this size (the server's gRPC receive limit),
+# so the server sees a message's header, and checks the size it declares, before the body.
+CHUNK_BYTES = 4 << 20
 # Megabyte messages on a fast link: large HTTP/2 frames and a 16 MiB window from the start
 # instead of 64 KiB grown by BDP probing (measured here: 0.67 -> 1.09 GB/s for 2 MiB echoes).
 _HTTP2 = [("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.bdp_probe", 0),
@@ -147,6 +152,38 @@ class TLSConfig:
         with open(path, "rb") as f:
             return f.read()
 
+    def validate(self) -> None:
+        """Checks the files before anything is served: each is PEM, and the key belongs to the
+        certificate (Python's ``ssl`` loads them as a server would).
+
+        Raises:
+          ValueError: one line naming the file and the cause.
+        """
+        import ssl
+
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            try:
+                text = self._read(path)
+            except OSError as e:
+                raise ValueError(f"TLS {name} {path}: cannot read it ({e.strerror})") from None
+            if b"-----BEGIN " not in text:
+                raise ValueError(f"TLS {name} {path} is not PEM (no '-----BEGIN' line); convert "
+                                 "it, e.g. openssl x509 -inform der -in F -out F.pem")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as e:
+            why = ("the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e)
+                   else f"they do not load as a certificate chain and its key ({e.reason or e})")
+            raise ValueError(f"TLS cert_file {self.cert_file} and key_file {self.key_file}: "
+                             f"{why}") from None
+        try:
+            ssl.create_default_context(cafile=self.ca_file)
+        except ssl.SSLError as e:
+            raise ValueError(f"TLS ca_file {self.ca_file} holds no usable CA certificate "
+                             f"({e.reason or e})") from None
+
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self._read(self.key_file),
                                              self._read(self.cert_file))])
@@ -214,10 +251,179 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(deny)
 
 
-def _wrap(fn: Handler) -> Callable:
-    def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class ReceiveLimits:
+    """How long and how many handler threads a request body may take (see :func:`serve`).
+
+    Attributes:
+      chunk_timeout_s: longest wait for the next chunk of a body; a stalled body is cancelled.
+      body_timeout_s: longest a whole body may take to arrive.
+      slow_after_s: a body still arriving after this long counts as slow.
+      max_slow_per_peer: most slow bodies one peer host may have arriving at once; one more is
+        cancelled.
+      max_receiving: most calls of the server receiving their bodies at once; one more is refused
+        at once (``resource_exhausted``) so that they never hold every handler thread.
+    """
+
+    chunk_timeout_s: float = 10.0
+    body_timeout_s: float = 300.0
+    slow_after_s: float = 0.5
+    max_slow_per_peer: int = 8
+    max_receiving: int = 16
+
+    def __post_init__(self):
+        for name in ("chunk_timeout_s", "body_timeout_s", "slow_after_s"):
+            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo_open=True, hi=1e6)
+        for name in ("max_slow_per_peer", "max_receiving"):
+            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo=1, integer=True)
+
+
+class _Receipt:
+    __slots__ = ("context", "host", "start", "last", "slow")
+
+    def __init__(self, context, host: str):
+        self.context, self.host = context, host
+        self.start = self.last = time.monotonic()
+        self.slow = False
+
+
+class _Receiver:
+    """Reads request bodies chunk by chunk under :class:`ReceiveLimits`; one watchdog thread
+    cancels the calls whose bodies stall, take too long, or are slow beyond a peer's share."""
+
+    def __init__(self, limits: ReceiveLimits):
+        self.limits = limits
+        self._lock = threading.Condition()
+        self._active: set[_Receipt] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="ps-receive-watch")
+        self._thread.start()
+        self.cancelled = 0  # calls cut by the watchdog (for tests and status)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        lim = self.limits
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            cut = []
+            with self._lock:
+                slow: dict[str, int] = {}
+                for r in self._active:
+                    slow[r.host] = slow.get(r.host, 0) + r.slow
+                for r in sorted(self._active, key=lambda r: r.start):
+                    if (now - r.last > lim.chunk_timeout_s
+                            or now - r.start > lim.body_timeout_s):
+                        cut.append(r)
+                    elif not r.slow and now - r.start > lim.slow_after_s:
+                        if slow.get(r.host, 0) >= lim.max_slow_per_peer:
+                            cut.append(r)
+                        else:
+                            r.slow = True
+                            slow[r.host] = slow.get(r.host, 0) + 1
+                for r in cut:
+                    self._active.discard(r)
+                self.cancelled += len(cut)
+                if cut:
+                    self._lock.notify(len(cut))
+            for r in cut:
+                logger.warning("cancelling a call from %s whose request body is stalled or too "
+                               "slow (%.1fs)", r.host, now - r.start)
+                r.context.cancel()
+
+    def receive(self, requests, context: grpc.ServicerContext, limit: int) -> bytes | memoryview:
+        """The request's bytes, assembled from its chunks.
+
+        Raises:
+          PushRejected: the message declares more than ``limit`` bytes, or too many calls are
+            receiving (code ``resource_exhausted``).
+          WireError: the chunks do not add up to the message they declare.
+          _Gone: the call was cancelled (by its caller or the watchdog).
+        """
+        peer = context.peer() or "unknown"
+        receipt = _Receipt(context, peer.rsplit(":", 1)[0])
+        with self._lock:
+            # a full house frees within slow_after_s (the watchdog cuts slow bodies past a
+            # peer's share), so an honest call waits that long before it is refused
+            if not self._lock.wait_for(lambda: len(self._active) < self.limits.max_receiving,
+                                       self.limits.slow_after_s * 2):
+                raise PushRejected(f"{len(self._active)} calls are already sending their requests "
+                                   "to this server (ReceiveLimits.max_receiving); retry later",
+                                   "resource_exhausted")
+            self._active.add(receipt)
         try:
+            return self._assemble(requests, receipt, limit)
+        finally:
+            with self._lock:
+                self._active.discard(receipt)
+                self._lock.notify()
+
+    @staticmethod
+    def _assemble(requests, receipt: _Receipt, limit: int) -> bytes | memoryview:
+        parts: list[bytes] = []
+        have, buf, total = 0, None, None
+        try:
+            for chunk in requests:
+                receipt.last = time.monotonic()
+                if buf is None:
+                    parts.append(chunk)
+                    have += len(chunk)
+                    need = wire.header_length(parts[0] if len(parts[0]) >= 4 else b"".join(parts))
+                    if need is None or have < need:
+                        if have > limit:
+                            raise PushRejected(f"request of more than {limit} bytes refused: "
+                                               "this server's limit for the call",
+                                               "resource_exhausted")
+                        continue
+                    head = b"".join(parts)
+                    parts = []
+                    try:
+                        total = wire.declared_size(head)
+                    except wire.WireError:
+                        if have > limit:  # too big first, whatever else is wrong with it
+                            raise PushRejected(f"request of more than {limit} bytes refused: "
+                                               "this server's limit for the call",
+                                               "resource_exhausted") from None
+                        raise
+                    if total > limit:
+                        raise PushRejected(f"request declares {total} bytes; this server's limit "
+                                           f"for the call is {limit} (size it from the shard)",
+                                           "resource_exhausted")
+                    if len(head) > total:
+                        raise wire.WireError(f"{len(head) - total} byte(s) past the {total} the "
+                                             "message declares")
+                    buf = bytearray(total)
+                    buf[:len(head)] = head
+                    have = len(head)
+                else:
+                    if have + len(chunk) > total:
+                        raise wire.WireError(f"more bytes than the {total} the message declares")
+                    buf[have:have + len(chunk)] = chunk
+                    have += len(chunk)
+        except grpc.RpcError:
+            raise _Gone() from None
+        if receipt.context is not None and not receipt.context.is_active():
+            raise _Gone()
+        if buf is None:  # shorter than its header: decode() says what is wrong with it
+            return b"".join(parts)
+        if have != total:
+            raise wire.WireError(f"message ends after {have} of the {total} bytes it declares")
+        return memoryview(buf)
+
+
+class _Gone(Exception):
+    """The call ended while its body was arriving."""
+
+
+def _wrap(name: str, fn: Handler, receiver: _Receiver,
+          limit: Callable[[str], int]) -> Callable:
+    def handler(requests, context: grpc.ServicerContext) -> bytes:
+        try:
+            request = receiver.receive(requests, context, limit(name))
             return fn(request, Call(context))
+        except _Gone:
+            return b""  # cancelled: nobody reads the reply
         except PushRejected as e:
             context.abort(_TO_CODE[e.code], str(e))
         except wire.WireError as e:
@@ -235,7 +441,8 @@ def _wrap(fn: Handler) -> Callable:
 def serve(address: str, service: str, methods: Mapping[str, Handler], *,
           token: str | None, tls: TLSConfig | None = None,
           max_receive_bytes: int = (512 << 20) + HEADER_SLACK,
-          threads: int = 32) -> tuple[grpc.Server, int]:
+          threads: int = 48, limits: Callable[[str], int] | None = None,
+          receive_limits: ReceiveLimits | None = None) -> tuple[grpc.Server, int]:
     """Starts a gRPC server for ``methods`` (``name -> fn(request, call) -> bytes``).
 
     Args:
@@ -247,12 +454,22 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
       tls: serve TLS with these credentials (None: plaintext).
       max_receive_bytes: largest request accepted (size it from the model).
       threads: handler threads.
+      limits: ``method name -> largest request`` (capped by ``max_receive_bytes``), asked as each
+        call starts: a service sizes it from its state (a parameter server from its shard).
+        It may raise ``PushRejected`` / ``_NotReady`` to refuse the call before its body.
+      receive_limits: :class:`ReceiveLimits` (default: at most ``threads // 3`` calls receiving
+        their bodies at once).
+
+    Requests arrive as a stream of chunks of at most ``CHUNK_BYTES`` (gRPC's receive limit), so
+    no request is buffered by gRPC before the size its header declares is checked.
 
     Returns:
       ``(server, port)``; ``port`` is the bound port (useful with ``"127.0.0.1:0"``).
 
     Raises:
-      RuntimeError: the address could not be bound.
+      RuntimeError: the address could not be bound (the message says why: the port in use,
+        an address not of this machine, ...).
+      ValueError: a TLS file is not PEM, or its key does not match its certificate.
 
     >>> server, port = serve("127.0.0.1:0", "demo.Echo", {"Echo": lambda req, call: req},
     ...                      token="t")
@@ -260,7 +477,14 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
     b'hi'
     >>> _ = server.stop(0)
     """
-    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn))
+    max_receive_bytes = int(check_number("max_receive_bytes", max_receive_bytes, lo=1,
+                                         integer=True))
+    receiver = _Receiver(receive_limits or ReceiveLimits(max_receiving=max(1, threads // 3)))
+
+    def limit_of(name: str) -> int:
+        return min(max_receive_bytes, limits(name)) if limits is not None else max_receive_bytes
+
+    handlers = {name: grpc.stream_unary_rpc_method_handler(_wrap(name, fn, receiver, limit_of))
                 for name, fn in methods.items()}
     if token is None:
         logger.warning("%s on %s serves WITHOUT authentication: any process that can reach "
@@ -269,29 +493,78 @@ def serve(address: str, service: str, methods: Mapping[str, Handler], *,
         futures.ThreadPoolExecutor(max_workers=threads),
         handlers=[grpc.method_handlers_generic_handler(service, handlers)],
         interceptors=[_TokenInterceptor(token)] if token is not None else [],
-        options=[("grpc.max_receive_message_length", int(max_receive_bytes)),
+        options=[("grpc.max_receive_message_length", CHUNK_BYTES),
                  ("grpc.max_send_message_length", -1),
                  ("grpc.so_reuseport", 0), *_HTTP2])
+    server._jaxdist_receiver = receiver  # noqa: SLF001 - for tests and stop()
     if tls is not None:
-        port = server.add_secure_port(address, tls.server_credentials())
-    else:
-        port = server.add_insecure_port(address)
+        tls.validate()  # a bad file would otherwise surface as "Failed to bind"
+    # gRPC reports an unbindable address as a log line and a bare "Failed to bind": find the
+    # cause first with a plain socket (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT)
+    reason = _why_not_bound(address)
+    if reason is not None:
+        receiver.close()
+        raise RuntimeError(f"could not bind {address}: {reason}")
+    try:
+        if tls is not None:
+            port = server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.5x raises where older versions returned 0
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}: is another process using the port?")
+        receiver.close()
+        raise RuntimeError(f"could not bind {address}: gRPC refused it (see its log above)")
     server.start()
     return server, port
 
 
+def _why_not_bound(address: str) -> str | None:
+    """Why ``address`` cannot be bound, found by binding it with a plain socket (None: it can)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as e:
+        return f"cannot resolve it ({e})"
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} is in use by another process"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine"
+            if e.errno == errno.EACCES:
+                return f"no permission to bind port {port}"
+            return e.strerror or str(e)
+    return None
+
+
 def serve_until_stopped(service: Any, address: str, name: str, *, token: str | None,
                         tls: TLSConfig | None = None,
-                        max_receive_bytes: int = (512 << 20) + HEADER_SLACK) -> None:
+                        max_receive_bytes: int = (512 << 20) + HEADER_SLACK,
+                        on_serving: Callable[[int], None] | None = None) -> None:
     """Serves ``service.methods()`` on ``address`` until ``service.stopped`` is set (by the
-    coordinator's ``Shutdown`` call)."""
-    server, _ = serve(address, name, service.methods(), token=token, tls=tls,
-                      max_receive_bytes=max_receive_bytes)
+    coordinator's ``Shutdown`` call); ``on_serving(port)`` runs once the port is bound.
+
+    Raises:
+      ValueError: a TLS file is not PEM, or the key does not match the certificate.
+      RuntimeError: the address cannot be bound (the message says why: port in use, ...).
+    """
+    server, port = serve(address, name, service.methods(), token=token, tls=tls,
+                         max_receive_bytes=max_receive_bytes,
+                         limits=getattr(service, "receive_limit", None))
+    if on_serving is not None:
+        on_serving(port)
     service.stopped.wait()
     time.sleep(0.2)  # let the Shutdown reply leave before the server stops
     server.stop(grace=1).wait()
+    server._jaxdist_receiver.close()  # noqa: SLF001
 
 
 class Channel:
@@ -315,31 +588,50 @@ class Channel:
             self._channel = grpc.secure_channel(address, tls.channel_credentials(), options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
+        self._plaintext = tls is None
         self._stubs: dict[str, Any] = {}
 
     def _stub(self, method: str):
         if method not in self._stubs:
-            self._stubs[method] = self._channel.unary_unary(f"/{self._service}/{method}")
+            self._stubs[method] = self._channel.stream_unary(f"/{self._service}/{method}")
         return self._stubs[method]
 
+    @staticmethod
+    def _chunks(payload: bytes):
+        if len(payload) <= CHUNK_BYTES:
+            yield bytes(payload)
+            return
+        view = memoryview(payload)
+        for i in range(0, len(view), CHUNK_BYTES):
+            yield bytes(view[i:i + CHUNK_BYTES])
+
     def call(self, method: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        if timeout is not None:
+            timeout = check_number("call timeout", timeout, lo_open=True)
         try:
-            return self._stub(method)(payload, timeout=timeout, metadata=self._metadata)
+            return self._stub(method)(self._chunks(payload), timeout=timeout,
+                                      metadata=self._metadata)
         except grpc.RpcError as e:
-            raise _error(e, f"{self._service}/{method} at {self.address}") from None
+            raise _error(e, f"{self._service}/{method} at {self.address}",
+                         plaintext=self._plaintext) from None
 
     def future(self, method: str, payload: bytes):
         """Starts a call without a deadline; ``result()`` raises ``grpc.RpcError`` (or
         ``grpc.FutureCancelledError`` after ``cancel()``)."""
-        return self._stub(method).future(payload, metadata=self._metadata)
+        return self._stub(method).future(self._chunks(payload), metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
 
 
-def _error(e: grpc.RpcError, where: str) -> Exception:
+def _error(e: grpc.RpcError, where: str, *, plaintext: bool = False) -> Exception:
     code, detail = e.code(), e.details()
     msg = f"{where}: {detail}"
+    if plaintext and code == grpc.StatusCode.UNAVAILABLE and any(
+            s in (detail or "") for s in ("Socket closed", "Connection reset", "handshake",
+                                          "failed to connect")):
+        msg += (" (this client speaks plaintext: the server may require TLS; set "
+                "JAXDIST_PS_TLS_CERT / _KEY / _CA here as on the server, or pass tls=)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return PushRejected(msg)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -396,9 +688,9 @@ class GrpcClient:
 
     def __init__(self, address: str, *, token: str | None = None, timeout: float = 60.0,
                  tls: TLSConfig | None = None):
+        self.timeout = check_number("GrpcClient timeout", timeout, lo_open=True)
         self._ch = Channel(address, PS_SERVICE, token=token, tls=tls)
         self.address = address
-        self.timeout = timeout
 
     def pull(self, *, min_version=None, timeout=None):
         if min_version is None:
@@ -457,6 +749,8 @@ _REMOTE_CONFIG = frozenset(f.name for f in dataclasses.fields(ServerConfig)) - {
 # ...and the waiting limits it may not raise past what keeps handler threads free (serve()
 # runs 32: at most 24 may wait) or make a wait unbounded in practice
 _MAX_WAITERS, _MAX_WAIT_S = 24, 300.0
+# ...nor grow its bookkeeping past a few tens of MB
+_MAX_WINDOW = 1 << 20
 
 
 class PSService:
@@ -480,6 +774,23 @@ class PSService:
     def methods(self) -> dict[str, Handler]:
         return {"Init": self.init, "Pull": self.pull, "Push": self.push,
                 "Status": self.status, "Log": self.log, "Shutdown": self.shutdown}
+
+    def receive_limit(self, method: str) -> int:
+        """Largest request ``method`` may send, from the shard once there is one (asked before
+        the request's body arrives; a push before ``Init`` is refused then).
+
+        Raises:
+          _NotReady: a ``Push`` before the server is initialized.
+        """
+        server = self.server
+        shard = None if server is None else server.shard_bytes
+        if method == "Push":
+            if server is None:
+                self._ready()
+            return min(shard, server.config.max_push_bytes) + HEADER_SLACK
+        if method == "Init":
+            return (1 << 62) if shard is None else shard + HEADER_SLACK
+        return HEADER_SLACK
 
     def _ready(self) -> ParameterServer:
         server = self.server
@@ -509,7 +820,9 @@ class PSService:
                     cfg = ServerConfig(**config, checkpoint_dir=self.checkpoint_dir)
                     cfg = dataclasses.replace(
                         cfg, max_waiters=min(cfg.max_waiters, _MAX_WAITERS),
-                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S))
+                        max_wait_s=min(cfg.max_wait_s, _MAX_WAIT_S),
+                        dedup_window=min(cfg.dedup_window, _MAX_WINDOW),
+                        log_window=min(cfg.log_window, _MAX_WINDOW))
                     opt = OptimizerSpec.from_dict(header.get("optimizer"))
                 except (TypeError, ValueError, KeyError, AttributeError) as e:
                     raise PushRejected(f"Init: bad config or optimizer: {e!r}") from None
@@ -526,9 +839,8 @@ class PSService:
         h, _ = wire.decode(request)
         server = self._ready()
         timeout = h.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float))):
-            raise PushRejected(f"Pull timeout must be a number of seconds, got {timeout!r}")
+        if timeout is not None:  # NaN and inf included: a NaN wait would spin (issue 19)
+            timeout = check_number("Pull timeout", timeout, error=PushRejected)
         cancelled = None
         if call is not None:
             cancelled = call.cancelled

@@ -28,7 +28,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-__all__ = ["WireError", "encode", "decode", "ALLOWED_DTYPES", "MAX_HEADER_BYTES", "MAX_OBJECTS"]
+__all__ = ["WireError", "encode", "decode", "declared_size", "ALLOWED_DTYPES", "MAX_HEADER_BYTES",
+           "MAX_OBJECTS"]
 
 _LEN = struct.Struct("<I")
 # A header describes a few thousand arrays at most (about 40 bytes and 2 lists each).
@@ -125,6 +126,80 @@ class _Budget:
         return items
 
 
+def _header(view: memoryview, max_header_bytes: int, max_objects: int) -> tuple[dict, int]:
+    """The message's header map (its ``"arrays"`` list still in it) and where the body starts."""
+    if len(view) < _LEN.size:
+        raise WireError(f"message of {len(view)} bytes is shorter than its {_LEN.size}-byte prefix")
+    (hlen,) = _LEN.unpack_from(view)
+    if hlen > max_header_bytes:
+        raise WireError(f"header of {hlen} bytes exceeds the limit of {max_header_bytes}")
+    body_start = _LEN.size + hlen
+    if body_start > len(view):
+        raise WireError(f"header length {hlen} runs past the end of a {len(view)}-byte message")
+    budget = _Budget(max_objects)
+    try:
+        header = msgpack.unpackb(view[_LEN.size:body_start], raw=False, strict_map_key=True,
+                                 object_pairs_hook=budget.map, list_hook=budget.list)
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays", []), list):
+        raise WireError(f"header must be a map with an 'arrays' list, got {type(header).__name__}")
+    return header, body_start
+
+
+def header_length(prefix: bytes | memoryview) -> int | None:
+    """Bytes of the length prefix plus header, from a message's first bytes (None: fewer than 4).
+
+    Raises:
+      WireError: the header is longer than ``MAX_HEADER_BYTES``.
+    """
+    if len(prefix) < _LEN.size:
+        return None
+    (hlen,) = _LEN.unpack_from(prefix)
+    if hlen > MAX_HEADER_BYTES:
+        raise WireError(f"header of {hlen} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return _LEN.size + hlen
+
+
+def declared_size(head: bytes | memoryview, *, max_header_bytes: int = MAX_HEADER_BYTES,
+                  max_objects: int = MAX_OBJECTS) -> int:
+    """The full length a message declares, from its prefix and header alone (no array bytes).
+
+    A receiver compares it with its limit before accepting the body, so an oversized message is
+    refused after its header, not after it has been buffered.
+
+    Args:
+      head: at least the message's length prefix and header (more bytes are ignored).
+      max_header_bytes, max_objects: as for :func:`decode`.
+
+    Returns:
+      prefix + header + the sum of the arrays' declared ``nbytes``.
+
+    Raises:
+      WireError: the header is malformed, or an array entry's size is not a non-negative int.
+
+    >>> import numpy as np
+    >>> msg = encode({"step": 3}, {"w": np.zeros(1000, np.float32)})
+    >>> declared_size(msg[:64]) == len(msg)
+    True
+    """
+    view = memoryview(head)
+    need = header_length(view)
+    if need is None or need > len(view):
+        raise WireError(f"{len(view)} bytes do not hold the message's prefix and header")
+    header, body_start = _header(view[:need], max_header_bytes, max_objects)
+    total = body_start
+    for entry in header.get("arrays", []):
+        if not (isinstance(entry, list) and len(entry) == 5 and _is_int(entry[4])
+                and entry[4] >= 0):
+            raise WireError(f"malformed array entry {entry!r}; expected [key: str, dtype: str, "
+                            "shape: [int, ...], offset: int, nbytes: int]")
+        total += entry[4]
+    return total
+
+
 def decode(message: bytes | memoryview, *, max_header_bytes: int = MAX_HEADER_BYTES,
            max_objects: int = MAX_OBJECTS) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Decodes a message into its header and read-only array views.
@@ -149,24 +224,7 @@ def decode(message: bytes | memoryview, *, max_header_bytes: int = MAX_HEADER_BY
     jaxdist.ps.wire.WireError: 1 trailing byte(s) after the last array (body of 1 bytes, arrays end at 0)
     """
     view = memoryview(message)
-    if len(view) < _LEN.size:
-        raise WireError(f"message of {len(view)} bytes is shorter than its {_LEN.size}-byte prefix")
-    (hlen,) = _LEN.unpack_from(view)
-    if hlen > max_header_bytes:
-        raise WireError(f"header of {hlen} bytes exceeds the limit of {max_header_bytes}")
-    body_start = _LEN.size + hlen
-    if body_start > len(view):
-        raise WireError(f"header length {hlen} runs past the end of a {len(view)}-byte message")
-    budget = _Budget(max_objects)
-    try:
-        header = msgpack.unpackb(view[_LEN.size:body_start], raw=False, strict_map_key=True,
-                                 object_pairs_hook=budget.map, list_hook=budget.list)
-    except WireError:
-        raise
-    except Exception as e:  # msgpack raises several unrelated types
-        raise WireError(f"header is not valid msgpack: {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("arrays", []), list):
-        raise WireError(f"header must be a map with an 'arrays' list, got {type(header).__name__}")
+    header, body_start = _header(view, max_header_bytes, max_objects)
     body = view[body_start:]
     arrays: dict[str, np.ndarray] = {}
     end = 0

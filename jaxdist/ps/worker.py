@@ -22,7 +22,7 @@ import numpy as np
 from jaxdist._retry import retry
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
-from jaxdist.ps.server import PushRejected
+from jaxdist.ps.server import PushRejected, check_number
 from jaxdist.ps.transport import ServerClient, Unavailable
 
 __all__ = ["AckBook", "WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
@@ -172,9 +172,10 @@ class WorkerRuntime:
         self.placement = placement
         self.treedef = treedef
         self.grad_fn = grad_fn
-        self.retry_timeout_s = retry_timeout_s
-        self.max_stale_retries = max_stale_retries
-        self.sync_timeout_s = sync_timeout_s
+        self.retry_timeout_s = check_number("retry_timeout_s", retry_timeout_s)
+        self.max_stale_retries = check_number("max_stale_retries", max_stale_retries,
+                                              integer=True)
+        self.sync_timeout_s = check_number("sync_timeout_s", sync_timeout_s, lo_open=True)
         self.datasets: dict[int, Any] = {}
         self.acks = AckBook()
         self.stale_retries = 0
