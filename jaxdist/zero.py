@@ -126,7 +126,7 @@ class ZeroShardings:
     >>> z = ZeroShardings(mesh.local_mesh(jax.devices()[:2]), ("data",), 1, min_bytes=0)
     >>> sh = z({"params": jnp.ones((4, 2)), "opt_state": jnp.ones((4, 2))})
     >>> sh["params"].spec, sh["opt_state"].spec
-    (PartitionSpec(), PartitionSpec('data', None))
+    (P(), P('data', None))
     """
 
     def __init__(self, mesh: Mesh, data_axes: tuple[str, ...], stage: int, *,
@@ -246,7 +246,7 @@ def bytes_per_device(tree: PyTree) -> dict[str, int]:
 
     >>> import jax, jax.numpy as jnp
     >>> bytes_per_device({"w": jax.device_put(jnp.ones(4), jax.devices()[0])})
-    {'TFRT_CPU_0': 16}
+    {'cpu:0': 16}
     """
     out: dict[str, int] = {}
     for x in jax.tree.leaves(tree):
