@@ -269,3 +269,17 @@ def test_multi_worker_strategy_in_one_process(data, reference):
     for b in s.distribute((x, y), 64):
         state, _ = step(state, b)
     _close(state.params, params)
+
+
+def test_jaxdist_train_zero_stage_flag():
+    from tests.conftest import run_python
+
+    proc = run_python(["-m", "jaxdist.cli", "train", "--devices", "4", "--zero-stage", "3",
+                       "--epochs", "1", "--quiet"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "test accuracy" in proc.stdout
+    proc = run_python(["-m", "jaxdist.cli", "train", "--strategy", "one_device", "--zero-stage",
+                       "1", "--epochs", "1"], timeout=120)
+    assert proc.returncode != 0 and "--zero-stage 1 needs --strategy mirrored" in proc.stderr
+    proc = run_python(["-m", "jaxdist.cli", "train", "--zero-stage", "4"], timeout=120)
+    assert proc.returncode != 0 and "--zero-stage" in proc.stderr
