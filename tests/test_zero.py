@@ -283,3 +283,17 @@ def test_jaxdist_train_zero_stage_flag():
     assert proc.returncode != 0 and "--zero-stage 1 needs --strategy mirrored" in proc.stderr
     proc = run_python(["-m", "jaxdist.cli", "train", "--zero-stage", "4"], timeout=120)
     assert proc.returncode != 0 and "--zero-stage" in proc.stderr
+
+
+def test_two_axis_mesh_shards_over_both_axes(data, reference):
+    """cross_device_ops="hierarchical" builds a (host, local) mesh: leaves split over both axes."""
+    params, _ = reference
+    (x, y), _ = data
+    s = jaxdist.MirroredStrategy(cross_device_ops="hierarchical", zero_stage=3)
+    assert len(s.layout.data_axes) == 2
+    step = s.step(models.classifier_train_step)
+    state = _state(x)
+    for b in s.distribute((x, y), 64):
+        state, _ = step(state, b)
+    assert state.params["Dense_0"]["kernel"].sharding.spec == jax.P(None, s.layout.data_axes)
+    _close(state.params, params)
