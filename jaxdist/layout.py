@@ -100,17 +100,21 @@ class Layout:
             return self.state_tree_sharding(tree)
         return jax.tree.map(self.leaf_sharding, tree)
 
-    def _leaf_targets(self, leaves: list, tree: PyTree) -> list:
-        if self.state_tree_sharding is not None:
-            return jax.tree.leaves(self.state_tree_sharding(tree))
-        return [self.leaf_sharding(x) for x in leaves]
+    def _leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
+        rule = self.state_tree_sharding
+        if rule is None:
+            return [self.leaf_sharding(x) for x in leaves]
+        fast = getattr(rule, "leaf_targets", None)  # jaxdist.zero's: cached per structure
+        if fast is not None:
+            return fast(leaves, treedef, tree)
+        return jax.tree.leaves(rule(tree))
 
     def is_placed(self, tree: PyTree) -> bool:
         """True when every leaf already lives where state lives: the steady state of a loop, a
         step's output fed straight back in. Much cheaper than rebuilding the tree."""
-        leaves = jax.tree.leaves(tree)
+        leaves, treedef = jax.tree.flatten(tree)
         return all(isinstance(x, jax.Array) and x.sharding is t
-                   for x, t in zip(leaves, self._leaf_targets(leaves, tree)))
+                   for x, t in zip(leaves, self._leaf_targets(leaves, treedef, tree)))
 
     def put_state(self, tree: PyTree) -> PyTree:
         """Every leaf placed where state lives; leaves already there are kept (a step may donate
@@ -118,7 +122,7 @@ class Layout:
         if self.is_placed(tree):
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        targets = self._leaf_targets(leaves, tree)
+        targets = self._leaf_targets(leaves, treedef, tree)
         # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
         # next step may donate it. A user's array on an equivalent sharding (a single-device array
         # on a one-device mesh) is copied, or donation would delete the caller's own array.

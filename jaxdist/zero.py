@@ -153,7 +153,13 @@ class ZeroShardings:
 
     def __call__(self, tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
-        key = (treedef, tuple((np.shape(x), _itemsize(x)) for x in leaves))
+        return jax.tree.unflatten(treedef, self.leaf_targets(leaves, treedef, tree))
+
+    def leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
+        """The shardings of ``tree``'s leaves, in order (remembered per structure and shapes:
+        a steady loop's check that its state is placed is a dictionary lookup)."""
+        key = (treedef, tuple((x.shape, x.dtype) if isinstance(x, jax.Array)
+                              else (np.shape(x), _itemsize(x)) for x in leaves))
         targets = self._cache.get(key)
         if targets is None:
             paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -163,7 +169,7 @@ class ZeroShardings:
             if len(self._cache) > 64:
                 self._cache.clear()
             self._cache[key] = targets
-        return jax.tree.unflatten(treedef, targets)
+        return targets
 
     def grad_shardings(self, grads: PyTree) -> PyTree:
         """Where gradients go before the optimizer update (stage >= 2): split like the state."""
