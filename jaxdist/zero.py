@@ -27,6 +27,7 @@ checkpoint holds exactly the arrays of a replicated run and restores at any stag
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist._types import PyTree
+
+logger = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 """The accepted values of ``zero_stage``."""
@@ -163,9 +166,15 @@ class ZeroShardings:
         targets = self._cache.get(key)
         if targets is None:
             paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-            targets = [self.sharding_for(np.shape(x), _itemsize(x),
-                                         self.stage >= 3 or _is_opt_path(p))
-                       for p, x in zip(paths, leaves)]
+            is_opt = [_is_opt_path(p) for p in paths]
+            targets = [self.sharding_for(np.shape(x), _itemsize(x), self.stage >= 3 or opt)
+                       for opt, x in zip(is_opt, leaves)]
+            if self.stage < 3 and self.num_shards > 1 and leaves and not any(is_opt):
+                logger.warning(
+                    "zero_stage=%d: the state (%s) has no leaf under a key or attribute named %r, "
+                    "so nothing is sharded; keep the optimizer state in state.opt_state (flax's "
+                    "TrainState) or {'opt_state': ...}, or use zero_stage=3", self.stage,
+                    type(tree).__name__, OPT_STATE_KEY)
             if len(self._cache) > 64:
                 self._cache.clear()
             self._cache[key] = targets

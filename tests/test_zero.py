@@ -297,3 +297,11 @@ def test_two_axis_mesh_shards_over_both_axes(data, reference):
         state, _ = step(state, b)
     assert state.params["Dense_0"]["kernel"].sharding.spec == jax.P(None, s.layout.data_axes)
     _close(state.params, params)
+
+
+def test_a_state_without_opt_state_is_named_in_a_warning(caplog):
+    s = jaxdist.MirroredStrategy(zero_stage=1)
+    with caplog.at_level("WARNING", logger="jaxdist.zero"):
+        placed = s.put((jnp.ones((64, 256)), (jnp.ones((64, 256)),)))  # (params, opt) as a tuple
+    assert "no leaf under a key or attribute named 'opt_state'" in caplog.text
+    assert placed[1][0].sharding.spec == jax.P()  # replicated, as the warning says
