@@ -436,6 +436,10 @@ def recommend_stage(memory: list[StageMemory], device_memory: float) -> tuple[in
     Lower stages move fewer bytes (stage 3 gathers the parameters every step), so the lowest one
     that fits wins. Activations are not modelled: leave room for them.
 
+    Args:
+      memory: ``stage_memory(...)``'s result.
+      device_memory: bytes of memory per device.
+
     Returns:
       ``(stage, reason)``; ``stage`` is None when no stage fits.
 

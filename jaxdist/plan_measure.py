@@ -241,6 +241,12 @@ def memory_table(num_params: float, devices: int, *, optimizer: str = "adam",
                  precision: str = "float32", opt_bytes: float | None = None) -> str:
     """A markdown table of bytes per device at each ``zero_stage`` (see ``plan.stage_memory``).
 
+    Args:
+      num_params, devices, optimizer, precision, opt_bytes: as for ``plan.stage_memory``.
+
+    Returns:
+      The table, one row per stage.
+
     >>> print(memory_table(1e9, 8).splitlines()[2])
     | 0 | 3.725 GiB | 7.451 GiB | 3.725 GiB | 14.9 GiB |
     """

@@ -141,7 +141,15 @@ class ZeroShardings:
         self._cache: dict[Any, list] = {}
 
     def sharding_for(self, shape: tuple[int, ...], itemsize: int, shard: bool) -> NamedSharding:
-        """The (cached, so identity-comparable) sharding of one leaf."""
+        """The (cached, so identity-comparable) sharding of one leaf.
+
+        Args:
+          shape, itemsize: the leaf's shape and bytes per element.
+          shard: whether the leaf's role is sharded at this stage (``shard_dim`` still decides).
+
+        Returns:
+          A ``NamedSharding``: replicated, or split along ``shard_dim``'s dimension.
+        """
         dim = shard_dim(tuple(shape), itemsize, self.num_shards, min_bytes=self.min_bytes) \
             if shard else None
         if dim is None:
@@ -160,7 +168,15 @@ class ZeroShardings:
 
     def leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
         """The shardings of ``tree``'s leaves, in order (remembered per structure and shapes:
-        a steady loop's check that its state is placed is a dictionary lookup)."""
+        a steady loop's check that its state is placed is a dictionary lookup).
+
+        Args:
+          leaves, treedef: ``jax.tree.flatten(tree)``.
+          tree: the state.
+
+        Returns:
+          A list of ``NamedSharding``, one per leaf.
+        """
         key = (treedef, tuple((x.shape, x.dtype) if isinstance(x, jax.Array)
                               else (np.shape(x), _itemsize(x)) for x in leaves))
         targets = self._cache.get(key)
@@ -181,7 +197,14 @@ class ZeroShardings:
         return targets
 
     def grad_shardings(self, grads: PyTree) -> PyTree:
-        """Where gradients go before the optimizer update (stage >= 2): split like the state."""
+        """Where gradients go before the optimizer update (stage >= 2): split like the state.
+
+        Args:
+          grads: a gradient pytree (shaped like the parameters).
+
+        Returns:
+          A pytree of ``NamedSharding`` shaped like ``grads``.
+        """
         return jax.tree.map(lambda g: self.sharding_for(np.shape(g), _itemsize(g), True), grads)
 
 
@@ -216,6 +239,12 @@ def adapt_step(shardings: ZeroShardings) -> Callable[[Callable], Callable]:
     step runs with a ``tx`` that first constrains its gradients to the sharded layout; the original
     ``tx`` is put back on the returned state, so the state's structure (and the compiled step's
     donation) is unchanged. Any other state runs the step as it is.
+
+    Args:
+      shardings: the stage's ``ZeroShardings``.
+
+    Returns:
+      A function taking a global-view step and returning the adapted step.
     """
     gather = shardings.stage >= 3
 
@@ -240,7 +269,17 @@ def adapt_step(shardings: ZeroShardings) -> Callable[[Callable], Callable]:
 
 
 def layout_hooks(mesh: Mesh, data_axes: tuple[str, ...], stage: int) -> dict[str, Any]:
-    """The ``Layout`` fields a strategy with ``zero_stage=stage`` sets (none at stage 0)."""
+    """The ``Layout`` fields a strategy with ``zero_stage=stage`` sets (none at stage 0).
+
+    Args:
+      mesh: the strategy's mesh.
+      data_axes: the mesh axes the replicas span.
+      stage: the ``zero_stage``.
+
+    Returns:
+      A dict of ``Layout`` keyword arguments: ``state_tree_sharding`` from stage 1,
+      ``adapt_step`` from stage 2.
+    """
     if stage == 0:
         return {}
     shardings = ZeroShardings(mesh, data_axes, stage)
