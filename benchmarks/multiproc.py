@@ -16,6 +16,7 @@ Training steps (MLP 784-256-128-10, Adam, the same global batch split over the t
   hand_flat           hand-written shard_map step: gradients and loss raveled into ONE psum
   jax_local           the jit step on each process's half batch, no collective (compute floor)
   global              jaxdist.MultiWorkerMirroredStrategy().step(train_step) (the global view)
+  global_z1..3        the same with zero_stage=1, 2, 3 (sharded state)
   per_replica         strategy.run(step) with jaxdist.all_reduce, MultiWorkerMirroredStrategy()
   per_replica_leaves  the same with pack_bytes=None forced (one gloo call per gradient leaf)
   per_replica_buckets the same with pack_bytes=256 KiB: the first layer's kernel (784 KiB) in its
@@ -58,7 +59,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = ((784, 256), (256,), (256, 128), (128,), (128, 10), (10,))  # the MLP's parameter leaves
 STEP_CONFIGS = ("ddp", "torch_local", "hand", "hand_flat", "jax_local", "global", "per_replica",
-                "per_replica_leaves", "per_replica_buckets")
+                "per_replica_leaves", "per_replica_buckets", "global_z1", "global_z2", "global_z3")
 ALLREDUCE_CONFIGS = ("ar_torch", "ar_torch_leaves", "ar_jax", "ar_jax_leaves", "ar_torch_tiny",
                      "ar_jax_tiny")
 VARIANTS = {
@@ -219,9 +220,11 @@ def _jax_worker(args):
     else:
         kwargs = {"per_replica_leaves": {"pack_bytes": None},
                   "per_replica_buckets": {"pack_bytes": 2**18}}.get(args.config, {})
+        if args.config.startswith("global_z"):  # the global view with sharded state
+            kwargs = {"zero_stage": int(args.config[-1])}
         strategy = jaxdist.MultiWorkerMirroredStrategy(**kwargs)
         placed = [_global_batch(strategy, b) for b in local]
-        if args.config == "global":
+        if args.config.startswith("global"):
             fn = strategy.step(train_step)
             state = strategy.put(state)
         else:

@@ -38,6 +38,9 @@ class Layout:
       state_sharding: where one state leaf lives between steps (default: a copy on every replica).
       adapt_step: wraps a user's global-view step for where the state lives (default: as it is).
       implementation, pack_bytes, compress: the cross-device options ``jaxdist.all_reduce`` uses.
+      state_tree_sharding: where every leaf of a whole state lives (a tree of shardings), for rules
+        that depend on a leaf's place in the state (``zero_stage``: optimizer state vs parameters);
+        when set it takes precedence over ``state_sharding``.
 
     >>> import jax
     >>> from jaxdist import mesh
@@ -53,6 +56,7 @@ class Layout:
     implementation: str = "xla"
     pack_bytes: int | None = None
     compress: str | None = None
+    state_tree_sharding: Callable[[PyTree], PyTree] | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -91,13 +95,26 @@ class Layout:
         return self.replicated if self.state_sharding is None else self.state_sharding(leaf)
 
     def state_shardings(self, tree: PyTree) -> PyTree:
+        """The sharding of every leaf of a state, as a tree shaped like ``tree``."""
+        if self.state_tree_sharding is not None:
+            return self.state_tree_sharding(tree)
         return jax.tree.map(self.leaf_sharding, tree)
+
+    def _leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
+        rule = self.state_tree_sharding
+        if rule is None:
+            return [self.leaf_sharding(x) for x in leaves]
+        fast = getattr(rule, "leaf_targets", None)  # jaxdist.zero's: cached per structure
+        if fast is not None:
+            return fast(leaves, treedef, tree)
+        return jax.tree.leaves(rule(tree))
 
     def is_placed(self, tree: PyTree) -> bool:
         """True when every leaf already lives where state lives: the steady state of a loop, a
         step's output fed straight back in. Much cheaper than rebuilding the tree."""
-        return all(isinstance(x, jax.Array) and x.sharding is self.leaf_sharding(x)
-                   for x in jax.tree.leaves(tree))
+        leaves, treedef = jax.tree.flatten(tree)
+        return all(isinstance(x, jax.Array) and x.sharding is t
+                   for x, t in zip(leaves, self._leaf_targets(leaves, treedef, tree)))
 
     def put_state(self, tree: PyTree) -> PyTree:
         """Every leaf placed where state lives; leaves already there are kept (a step may donate
@@ -105,7 +122,7 @@ class Layout:
         if self.is_placed(tree):
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        targets = [self.leaf_sharding(x) for x in leaves]
+        targets = self._leaf_targets(leaves, treedef, tree)
         # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
         # next step may donate it. A user's array on an equivalent sharding (a single-device array
         # on a one-device mesh) is copied, or donation would delete the caller's own array.

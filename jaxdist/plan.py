@@ -344,3 +344,114 @@ def _fmt_bytes(b: float) -> str:
             return f"{b:.4g} {unit}"
         b /= 1024
     raise AssertionError
+
+
+# --- memory per device, per zero_stage -------------------------------------------------------------
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "lion": 1, "adam": 2,
+                   "adamw": 2, "lamb": 2}
+"""Optimizer state per parameter, in parameter-sized arrays (optax's: Adam keeps ``mu`` and ``nu``)."""
+
+PRECISIONS = {  # (stored parameter bytes, gradient bytes, compute-copy bytes made during a step)
+    "float32": (4, 4, 0),
+    "mixed_bfloat16": (4, 4, 2),  # float32 parameters, a bfloat16 copy for the forward pass
+    "mixed_float16": (4, 4, 2),
+    "bfloat16": (2, 2, 0),
+}
+"""Bytes per parameter under each ``jaxdist.precision`` policy: mixed policies keep float32
+parameters (and float32 gradients, as ``jaxdist.precision.value_and_grad`` returns them) and cast a
+16-bit copy for the computation; optimizer state has the parameters' dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes per device of one ``zero_stage`` (activations not included: they depend on the batch).
+
+    Attributes:
+      stage: the ``zero_stage``.
+      params, opt_state: bytes per device kept between steps.
+      step_extra: bytes per device that exist only during a step: gradients (split over the
+        devices at stages 2-3), the 16-bit compute copy of mixed precision, and at stage 3 the
+        parameters gathered for the forward and backward passes.
+    """
+
+    stage: int
+    params: float
+    opt_state: float
+    step_extra: float
+
+    @property
+    def state(self) -> float:
+        """Bytes kept between steps."""
+        return self.params + self.opt_state
+
+    @property
+    def peak(self) -> float:
+        """Bytes during a step (state plus ``step_extra``), activations aside."""
+        return self.state + self.step_extra
+
+
+def stage_memory(num_params: float, devices: int, *, optimizer: str = "adam",
+                 precision: str = "float32", opt_bytes: float | None = None) -> list[StageMemory]:
+    """Bytes per device of the train state at each ``zero_stage`` on ``devices`` replicas.
+
+    Stage 1 divides the optimizer state by the device count, stage 2 the gradients too, stage 3
+    the stored parameters too (jaxdist gathers them whole for the step's computation, as
+    ``fully_shard(reshard_after_forward=False)`` does, so they count once in ``step_extra``).
+    Leaves too small to shard (``jaxdist.zero.MIN_SHARD_BYTES``) are ignored here: for a model worth
+    sharding they are a rounding error.
+
+    Args:
+      num_params: the parameter count.
+      devices: the replicas the state is sharded over.
+      optimizer: a key of ``OPTIMIZER_SLOTS``.
+      precision: a key of ``PRECISIONS``.
+      opt_bytes: the optimizer state's bytes when known exactly (it replaces ``optimizer``).
+
+    Returns:
+      One ``StageMemory`` per stage, 0 to 3.
+
+    Raises:
+      ValueError: an unknown optimizer or precision, or a non-positive size.
+
+    >>> [round(m.peak / 1e9, 1) for m in stage_memory(7.5e9, 64, precision="float32")]
+    [120.0, 60.9, 31.4, 31.9]
+    """
+    if optimizer not in OPTIMIZER_SLOTS and opt_bytes is None:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_SLOTS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
+    if num_params <= 0 or devices < 1:
+        raise ValueError(f"need num_params > 0 and devices >= 1, got {num_params!r}, {devices!r}")
+    pb, gb, cb = PRECISIONS[precision]
+    p, g, c = num_params * pb, num_params * gb, num_params * cb
+    o = opt_bytes if opt_bytes is not None else num_params * OPTIMIZER_SLOTS[optimizer] * pb
+    n = devices
+    return [StageMemory(0, p, o, g + c), StageMemory(1, p, o / n, g + c),
+            StageMemory(2, p, o / n, g / n + c), StageMemory(3, p / n, o / n, g / n + c + p)]
+
+
+def recommend_stage(memory: list[StageMemory], device_memory: float) -> tuple[int | None, str]:
+    """The lowest ``zero_stage`` whose peak fits ``device_memory`` bytes, and why.
+
+    Lower stages move fewer bytes (stage 3 gathers the parameters every step), so the lowest one
+    that fits wins. Activations are not modelled: leave room for them.
+
+    Args:
+      memory: ``stage_memory(...)``'s result.
+      device_memory: bytes of memory per device.
+
+    Returns:
+      ``(stage, reason)``; ``stage`` is None when no stage fits.
+
+    >>> recommend_stage(stage_memory(7.5e9, 64), 40e9)[0]
+    2
+    """
+    for m in memory:
+        if m.peak <= device_memory:
+            why = ("the replicated state fits" if m.stage == 0 else
+                   f"replicated needs {_fmt_bytes(memory[0].peak)} per device, more than "
+                   f"{_fmt_bytes(device_memory)}; zero_stage={m.stage} needs {_fmt_bytes(m.peak)}")
+            return m.stage, why
+    return None, (f"no stage fits {_fmt_bytes(device_memory)} per device (stage 3 needs "
+                  f"{_fmt_bytes(memory[-1].peak)} before activations): use more devices, a lower "
+                  "precision or a smaller optimizer state")

@@ -11,7 +11,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from jaxdist.plan import LINKS, Link, _fmt_bytes, _link, allreduce_time, predict, recommend
+from jaxdist.plan import (LINKS, OPTIMIZER_SLOTS, PRECISIONS, Link, _fmt_bytes, _link,
+                          allreduce_time, predict, recommend, recommend_stage, stage_memory)
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,103 @@ def model_size(model: str) -> tuple[int, int]:
     return sum(4 * x.size for x in leaves), len(leaves)
 
 
+def factory_size(spec: str) -> tuple[int, int, int | None, int]:
+    """``(parameter bytes, leaf count, optimizer-state bytes or None, parameter count)`` from a
+    ``module:factory``.
+
+    The factory takes no arguments and returns a train state (anything with ``.params``, such as
+    flax's ``TrainState``: its ``.opt_state`` is measured too) or a parameter pytree (a linen
+    ``model.init(...)`` result, an NNX ``nnx.state(model)``, a dict of arrays). It runs under
+    ``jax.eval_shape`` where it can, so no memory is allocated for the arrays.
+
+    Raises:
+      SystemExit: the spec is malformed, does not import, or returns no arrays.
+
+    >>> factory_size("jaxdist.plan_measure:_example_factory")  # Adam: mu, nu and an int32 count
+    (400, 2, 804, 100)
+    """
+    import importlib
+    import os
+    import sys
+
+    import jax
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"jaxdist plan: --model {spec!r} is not mlp, cnn or MODULE:FACTORY "
+                         "(e.g. --model mypkg.models:make_state)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"jaxdist plan: --model {spec!r}: {e}") from None
+    try:
+        out = jax.eval_shape(factory)
+    except Exception:  # not traceable (numpy inside, a module object): build it for real
+        out = factory()
+    params = getattr(out, "params", out)
+    opt = getattr(out, "opt_state", None)
+
+    def arrays(tree):
+        return [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
+
+    leaves = arrays(params)
+    if not leaves:
+        raise SystemExit(f"jaxdist plan: --model {spec!r} returned {type(out).__name__} with no "
+                         "arrays; return a train state or a parameter pytree, e.g. "
+                         "model.init(jax.random.key(0), sample_input)")
+    nbytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in arrays(opt)) if opt is not None else None
+    return int(nbytes), len(leaves), opt_bytes, int(sum(x.size for x in leaves))
+
+
+def _example_factory():
+    """A 100-parameter state with Adam: the ``factory_size`` example."""
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    params = {"w": jnp.zeros((10, 9)), "b": jnp.zeros(10)}
+    return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+
+def memory_table(num_params: float, devices: int, *, optimizer: str = "adam",
+                 precision: str = "float32", opt_bytes: float | None = None) -> str:
+    """A markdown table of bytes per device at each ``zero_stage`` (see ``plan.stage_memory``).
+
+    Args:
+      num_params, devices, optimizer, precision, opt_bytes: as for ``plan.stage_memory``.
+
+    Returns:
+      The table, one row per stage.
+
+    >>> print(memory_table(1e9, 8).splitlines()[2])
+    | 0 | 3.725 GiB | 7.451 GiB | 3.725 GiB | 14.9 GiB |
+    """
+    lines = ["| zero_stage | parameters | optimizer state | + during a step | peak per device |",
+             "|---|---|---|---|---|"]
+    for m in stage_memory(num_params, devices, optimizer=optimizer, precision=precision,
+                          opt_bytes=opt_bytes):
+        lines.append(f"| {m.stage} | {_fmt_bytes(m.params)} | {_fmt_bytes(m.opt_state)} | "
+                     f"{_fmt_bytes(m.step_extra)} | {_fmt_bytes(m.peak)} |")
+    return "\n".join(lines)
+
+
+def _bytes(text: str) -> float:
+    """``"16GiB"`` (binary), ``"80GB"`` (decimal) or a plain number of bytes.
+
+    >>> _bytes("16GiB") == 16 * 2**30, _bytes("80GB"), _bytes("1e6")
+    (True, 80000000000.0, 1000000.0)
+    """
+    text = str(text).strip()
+    for suffix, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40),
+                          ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12), ("B", 1)):
+        if text.upper().endswith(suffix.upper()):
+            return float(text[:-len(suffix)]) * scale
+    return float(text)
+
+
 def scaling_table(param_bytes: float, step_time_s: float, *, hosts: int, devices_per_host: int,
                   algorithm: str, **kwargs) -> str:
     """A markdown table of predictions from one device up to ``hosts x devices_per_host``.
@@ -228,7 +326,16 @@ def run_cli(args) -> str:
         import jax
 
         jax.config.update("jax_num_cpu_devices", max(2, args.calibrate_devices))
-    param_bytes, leaves = (model_size(args.model) if args.model else (None, None))
+    opt_bytes = num_params = None
+    if args.model in ("mlp", "cnn"):
+        param_bytes, leaves = model_size(args.model)
+    elif args.model:
+        param_bytes, leaves, opt_bytes, num_params = factory_size(args.model)
+        if args.calibrate and not args.step_time:
+            raise SystemExit("jaxdist plan: --calibrate measures the built-in models only; give "
+                             "--step-time for your own model")
+    else:
+        param_bytes, leaves = None, None
     param_bytes = float(args.param_bytes) if args.param_bytes else param_bytes
     leaves = args.leaves or leaves or 1
     if param_bytes is None:
@@ -236,7 +343,7 @@ def run_cli(args) -> str:
     fixed = args.fixed_time and _seconds(args.fixed_time) or 0.0
     if args.step_time:
         step = _seconds(args.step_time)
-    elif args.calibrate and args.model:
+    elif args.calibrate and args.model in ("mlp", "cnn"):
         step, fixed = measure_step(args.model, args.batch)
         lines.append(f"measured here: one device, {args.model} at batch {args.batch}: "
                      f"{step * 1e3:.3f} ms per step, of which {fixed * 1e3:.3f} ms batch-independent")
@@ -274,8 +381,25 @@ def run_cli(args) -> str:
                             pack_bytes=rec.pack_bytes, compute_parallelism=args.compute_parallelism),
               "", "recommendation:"]
     lines += [f"  {r}" for r in rec.reasons]
-    lines.append(f"  -> jaxdist.MirroredStrategy(cross_device_ops={rec.cross_device_ops!r}, "
-                 f"pack_bytes={rec.pack_bytes}) with global batch {rec.global_batch}")
+    devices = args.hosts * args.devices_per_host
+    if num_params is None or args.param_bytes:
+        num_params = param_bytes / 4  # float32 gradients
+    memory = stage_memory(num_params, devices, optimizer=args.optimizer, precision=args.precision,
+                          opt_bytes=opt_bytes)
+    stage = 0
+    if args.device_memory:
+        stage, why = recommend_stage(memory, _bytes(args.device_memory))
+        lines.append(f"  memory: {why}")
+    # More than one host is MultiWorkerMirroredStrategy's job (one process per host).
+    name = "MultiWorkerMirroredStrategy" if args.hosts > 1 else "MirroredStrategy"
+    zero = f", zero_stage={stage}" if stage else ""
+    lines.append(f"  -> jaxdist.{name}(cross_device_ops={rec.cross_device_ops!r}, "
+                 f"pack_bytes={rec.pack_bytes}{zero}) with global batch {rec.global_batch}")
+    lines += ["", f"memory per device over {devices} devices ({num_params:,.0f} parameters, "
+              f"{args.optimizer if opt_bytes is None else 'optimizer state as measured'}, "
+              f"{args.precision}; activations not included):", "",
+              memory_table(num_params, devices, optimizer=args.optimizer,
+                           precision=args.precision, opt_bytes=opt_bytes)]
     return "\n".join(lines)
 
 
@@ -288,7 +412,9 @@ def add_arguments(p) -> None:
     >>> parser.parse_args(["--model", "cnn"]).devices_per_host
     8
     """
-    p.add_argument("--model", choices=("mlp", "cnn"), help="a built-in model (sizes from it)")
+    p.add_argument("--model", metavar="{mlp,cnn} | MODULE:FACTORY",
+                   help="a built-in model, or your own: a factory returning a train state or "
+                        "parameter pytree (sizes read from it)")
     p.add_argument("--param-bytes", help="gradient bytes all-reduced per step (e.g. 102e6)")
     p.add_argument("--leaves", type=int, default=None, help="gradient leaves (arrays)")
     p.add_argument("--step-time", help="one device's step time at --batch (e.g. 12ms, 0.3s)")
@@ -310,3 +436,10 @@ def add_arguments(p) -> None:
                    help="measure here: one device's step time (--model) and XLA's all-reduce "
                         "over --calibrate-devices simulated devices (use with --intra measured)")
     p.add_argument("--calibrate-devices", type=int, default=8)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adam",
+                   help="optimizer state per parameter for the memory table")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
+                   help="jaxdist.precision policy for the memory table")
+    p.add_argument("--device-memory", default=None, metavar="BYTES",
+                   help="memory per device (e.g. 16GiB, 80e9): recommends a zero_stage when the "
+                        "replicated state does not fit")

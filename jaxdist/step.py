@@ -128,6 +128,30 @@ class DistributedStep:
             self._in_flight.add(out, ())
         return out
 
+    def lower(self, state: PyTree, batch: PyTree, /) -> jax.stages.Lowered:
+        """The step lowered for ``state`` and ``batch`` as a call would compile it.
+
+        ``.compile().as_text()`` shows the collectives XLA inserted (``all-reduce``,
+        ``reduce-scatter``, ``all-gather``); ``.compile().memory_analysis()`` its temporary memory.
+        The step's own cache is used, so lowering does not add a compilation to later calls.
+
+        Args:
+          state, batch: as for a call (placed the same way first).
+
+        Returns:
+          A ``jax.stages.Lowered``.
+        """
+        layout = self.strategy.layout
+        state = self.strategy.put(state)
+        batch = layout.put_batch(batch)
+        mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
+        key = (jax.tree.structure(state), jax.tree.structure(batch), mask_at)
+        entry = self._compiled.get(key)
+        if entry is None:
+            entry = self._compiled[key] = self._build(state, batch)
+        with replica.enter(layout.context(per_replica=False)):
+            return entry[0].lower(state, batch)
+
     def _build(self, state: PyTree, batch: PyTree) -> tuple[Callable, bool]:
         layout = self.strategy.layout
         state_sh = layout.state_shardings(state)

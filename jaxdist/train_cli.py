@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write TensorBoard event files (process 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, metavar="K",
+                   help="shard the state over the replicas (mirrored / multi_worker strategies): "
+                        "0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -199,10 +202,14 @@ def _build_model(args, num_classes: int):
 def _strategy(args, devices):
     import jaxdist
 
+    zero_stage = getattr(args, "zero_stage", 0)
+    if zero_stage and args.strategy not in ("multi_worker", "mirrored"):
+        _fail(f"--zero-stage {zero_stage} needs --strategy mirrored or multi_worker (the strategies "
+              f"that keep a copy of the state per replica), not {args.strategy}")
     if args.strategy == "multi_worker":
-        return jaxdist.MultiWorkerMirroredStrategy()
+        return jaxdist.MultiWorkerMirroredStrategy(zero_stage=zero_stage)
     if args.strategy == "mirrored":
-        return jaxdist.MirroredStrategy(devices)
+        return jaxdist.MirroredStrategy(devices, zero_stage=zero_stage)
     if args.strategy == "central_storage":
         return jaxdist.CentralStorageStrategy(devices)
     if args.strategy == "one_device":

@@ -4,13 +4,14 @@ clear-cut cases, calibration plumbing and the ``jaxdist plan`` command. No timed
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import pytest
 
 from jaxdist import plan_measure
 from jaxdist.plan import Link, allreduce_time, predict, recommend
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 
 FAST = Link("fast", latency_s=1e-5, bandwidth=1e10)
 SLOW = Link("slow", latency_s=1e-4, bandwidth=1e9)
@@ -130,7 +131,12 @@ def test_jaxdist_plan_command_prints_a_table_and_a_recommendation():
     out = proc.stdout
     assert "918.5 KiB of gradients in 6 leaves" in out
     assert "| 4 x 8 |" in out and "| 1 x 1 | 2.00 | 0.00 | 0.00 | 100.0% | 1.00 |" in out
-    assert "-> jaxdist.MirroredStrategy(cross_device_ops='hierarchical', pack_bytes=1048576)" in out
+    # Four hosts are one job of four processes: MultiWorkerMirroredStrategy (issue 18: the plan
+    # used to name MirroredStrategy, which runs one independent job per host).
+    assert ("-> jaxdist.MultiWorkerMirroredStrategy(cross_device_ops='hierarchical', "
+            "pack_bytes=1048576)") in out
+    assert "memory per device over 32 devices (235,146 parameters, adam, float32" in out
+    assert "| 1 | 918.5 KiB | 57.41 KiB |" in out  # Adam's 1.794 MiB over 32 devices
     proc = run_python(["-m", "jaxdist.cli", "plan", "--model", "mlp"], timeout=120)
     assert proc.returncode != 0 and "give --step-time" in proc.stderr
     proc = run_python(["-m", "jaxdist.cli", "plan", "--model", "mlp", "--step-time", "1ms",
@@ -146,3 +152,70 @@ def test_jaxdist_plan_calibrates_here():
     assert "measured here: one device, mlp at batch 32" in proc.stdout
     assert "measured here: psum over 2 cpu devices" in proc.stdout
     assert "| 1 x 2 |" in proc.stdout
+
+
+def test_stage_memory_arithmetic():
+    from jaxdist.plan import recommend_stage, stage_memory
+
+    n, p = 8, 1e9
+    m = stage_memory(p, n, optimizer="adam", precision="float32")
+    assert [x.stage for x in m] == [0, 1, 2, 3]
+    assert (m[0].params, m[0].opt_state, m[0].step_extra) == (4 * p, 8 * p, 4 * p)
+    assert (m[1].params, m[1].opt_state, m[1].step_extra) == (4 * p, 8 * p / n, 4 * p)
+    assert (m[2].params, m[2].opt_state, m[2].step_extra) == (4 * p, 8 * p / n, 4 * p / n)
+    # stage 3 stores 1/n of everything and gathers the parameters for the step
+    assert (m[3].params, m[3].opt_state, m[3].step_extra) == (4 * p / n, 8 * p / n, 4 * p / n + 4 * p)
+    mixed = stage_memory(p, n, optimizer="sgd", precision="mixed_float16")
+    assert mixed[0].opt_state == 0 and mixed[0].step_extra == 6 * p  # f32 grads + f16 copy
+    assert stage_memory(p, n, opt_bytes=123.0)[0].opt_state == 123.0
+    assert recommend_stage(m, 16 * p)[0] == 0
+    assert recommend_stage(m, 15.9 * p)[0] == 1
+    assert recommend_stage(m, 6 * p)[0] == 2
+    stage, why = recommend_stage(m, 1 * p)
+    assert stage is None and "no stage fits" in why
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        stage_memory(p, n, optimizer="adamax2")
+    with pytest.raises(ValueError, match="unknown precision"):
+        stage_memory(p, n, precision="int8")
+
+
+FACTORY = """
+import jax, jax.numpy as jnp, optax
+from flax.training import train_state
+
+def make_state():
+    params = {"w": jnp.zeros((1000, 1000)), "b": jnp.zeros(1000), "v": jnp.zeros((1000, 8))}
+    return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+def make_params():
+    return {"w": jnp.zeros((10, 10), jnp.bfloat16)}
+
+def make_nothing():
+    return "a string"
+"""
+
+
+def test_jaxdist_plan_reads_the_users_model_and_recommends_a_stage(tmp_path):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}
+    proc = run_python(["-m", "jaxdist.cli", "plan", "--model", "my_models:make_state",
+                       "--step-time", "5ms", "--devices-per-host", "8",
+                       "--device-memory", "10MB"], timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    params = 1000 * 1000 + 1000 + 8000
+    assert f"{params * 4 / 2**20:.4g} MiB of gradients in 3 leaves" in out
+    assert f"({params:,} parameters, optimizer state as measured, float32" in out
+    # 16 bytes a parameter replicated (16.1 MB) does not fit 10 MB; stage 1 (4 + 1 + 4) does
+    assert "memory: replicated needs" in out
+    assert "-> jaxdist.MirroredStrategy(cross_device_ops='xla', pack_bytes=" in out
+    assert "zero_stage=1)" in out
+    proc = run_python(["-m", "jaxdist.cli", "plan", "--model", "my_models:make_params",
+                       "--step-time", "1ms"], timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "200 B of gradients in 1 leaves" in proc.stdout and "(100 parameters, adam" in proc.stdout
+    for spec, msg in (("my_models:make_nothing", "no arrays"), ("my_models", "MODULE:FACTORY"),
+                      ("no_such_module:f", "No module named")):
+        proc = run_python(["-m", "jaxdist.cli", "plan", "--model", spec, "--step-time", "1ms"],
+                          timeout=120, env=env)
+        assert proc.returncode != 0 and msg in proc.stderr, (spec, proc.stderr[-1000:])

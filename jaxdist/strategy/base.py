@@ -243,7 +243,20 @@ class MeshStrategy(Strategy):
 
         Returns:
           ``fn``'s own output structure with a ``jaxdist.PerReplica`` in place of each array.
+
+        Raises:
+          NotImplementedError: the strategy shards its state (``zero_stage`` > 0): per-replica
+            code reads a whole copy of the state on every replica, which sharded state does not
+            keep. The message names the global view to use instead.
         """
+        stage = getattr(self, "zero_stage", 0)
+        if stage:
+            raise NotImplementedError(
+                f"{type(self).__name__}(zero_stage={stage}).run: the per-replica view needs a full "
+                "copy of the state on every replica, and zero_stage shards it. Write the step for "
+                "the global view and call strategy.step(train_step) (or @jaxdist.mirrored("
+                f"zero_stage={stage}), or jaxdist.fit), which gives the same numbers; or keep "
+                "strategy.run with zero_stage=0.")
         return per_replica.run(self.layout, self._run_cache, fn, args,
                                {} if kwargs is None else kwargs)
 

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from jaxdist import collectives
 from jaxdist import mesh as mesh_lib
+from jaxdist import zero
 from jaxdist.strategy.base import MeshStrategy, resolve_devices
 
 
@@ -24,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def check_cross_device_options(strategy) -> None:
-    """Validates ``cross_device_ops`` / ``pack_bytes`` / ``compress`` of a mirrored-style strategy."""
+    """Validates ``cross_device_ops`` / ``pack_bytes`` / ``compress`` / ``zero_stage`` of a
+    mirrored-style strategy."""
+    object.__setattr__(strategy, "zero_stage",
+                       zero.check_zero_stage(type(strategy).__name__, strategy.zero_stage))
     impl = strategy.cross_device_ops
     try:
         collectives.check_options(ALIASES.get(impl, impl) if isinstance(impl, str) else impl,
@@ -48,7 +52,9 @@ class _CrossDeviceOptions:
         if self.cross_device_ops == "nccl" and platforms != {"gpu"}:
             logger.warning("cross_device_ops='nccl' on %s devices: NCCL needs GPUs, so XLA's own "
                            "all-reduce is used (the same numbers)", "/".join(sorted(platforms)))
-        return super()._layout_hooks(mesh)
+        hooks = super()._layout_hooks(mesh)
+        hooks.update(zero.layout_hooks(mesh, self._data_axes(mesh), self.zero_stage))
+        return hooks
 
     @property
     def _pack_bytes(self) -> int | None:
@@ -74,9 +80,18 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
         or ``"one_device"``.
       pack_bytes: pack leaves smaller than this many bytes into shared buckets before reducing.
       compress: ``"bf16"`` sends float gradients as bfloat16.
+      zero_stage: where state lives on the replicas (ZeRO): ``0`` a full copy on each (default),
+        ``1`` optimizer state sharded, ``2`` gradients reduce-scattered too, ``3`` parameters
+        sharded too (see ``jaxdist.zero`` and the sharded-state guide). Global view only
+        (``step``, ``@jaxdist.mirrored``, ``fit``); the numbers do not change.
+
+    Raises:
+      ValueError: an unknown ``cross_device_ops`` or ``zero_stage``, or invalid packing options.
 
     >>> import jax, jaxdist
     >>> jaxdist.MirroredStrategy(jax.devices()[:1]).num_replicas_in_sync
+    1
+    >>> jaxdist.MirroredStrategy(jax.devices()[:2], zero_stage=1).zero_stage
     1
     """
 
@@ -84,6 +99,7 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     cross_device_ops: str = "xla"
     pack_bytes: int | None = None
     compress: str | None = None
+    zero_stage: int = 0
 
     def __post_init__(self):
         if self.devices is not None:
@@ -141,12 +157,14 @@ class DefaultStrategy(MeshStrategy):
 
 def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
              cross_device_ops: str = "xla", pack_bytes: int | None = None,
-             compress: str | None = None, donate: bool = True, max_in_flight: int = 8):
+             compress: str | None = None, donate: bool = True, max_in_flight: int = 8,
+             zero_stage: int = 0):
     """Distributes a single-device ``train_step(state, batch)`` over the local devices.
 
     ``@jaxdist.mirrored`` is ``MirroredStrategy().step(train_step)``; with arguments,
     ``@jaxdist.mirrored(devices=jax.devices()[:4])`` builds the strategy from them. The result is
-    called exactly like the original and exposes ``.strategy``.
+    called exactly like the original and exposes ``.strategy``. ``zero_stage`` shards the state
+    over the devices as ``MirroredStrategy(zero_stage=...)`` does.
 
     >>> import jax, jax.numpy as jnp, jaxdist
     >>> @jaxdist.mirrored(devices=jax.devices()[:1])
@@ -157,7 +175,7 @@ def mirrored(fn=None, /, *, devices: Sequence[jax.Device] | None = None,
     (0.5, 1)
     """
     strategy = MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops,
-                                pack_bytes=pack_bytes, compress=compress)
+                                pack_bytes=pack_bytes, compress=compress, zero_stage=zero_stage)
     if fn is None:
         return lambda f: strategy.step(f, donate=donate, max_in_flight=max_in_flight)
     return strategy.step(fn, donate=donate, max_in_flight=max_in_flight)

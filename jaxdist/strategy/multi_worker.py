@@ -34,6 +34,7 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
         otherwise be one gloo call: XLA:CPU sends a combined all-reduce operand by operand.
         ``pack_bytes=None`` sends every leaf on its own. Packing changes no value: each element is
         the same sum of the same replicas' values.
+      zero_stage: as for ``MirroredStrategy``: state sharded over every device of every process.
 
     >>> MultiWorkerMirroredStrategy().pack_bytes == 25 * 2**20
     True
@@ -43,6 +44,7 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     cross_device_ops: str = "xla"
     pack_bytes: int | None = CROSS_PROCESS_PACK_BYTES
     compress: str | None = None
+    zero_stage: int = 0
 
     def __post_init__(self):
         check_cross_device_options(self)
@@ -60,6 +62,9 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
 class TPUStrategy(_CrossDeviceOptions, MeshStrategy):
     """``MirroredStrategy`` over the TPU cores (``jax.devices("tpu")``), all-reducing over ICI.
 
+    Args:
+      cross_device_ops, pack_bytes, compress, zero_stage: as for ``MirroredStrategy``.
+
     Raises:
       RuntimeError: when no TPU is present (the message suggests ``MirroredStrategy``).
     """
@@ -67,6 +72,7 @@ class TPUStrategy(_CrossDeviceOptions, MeshStrategy):
     cross_device_ops: str = "xla"
     pack_bytes: int | None = None
     compress: str | None = None
+    zero_stage: int = 0
 
     def __post_init__(self):
         check_cross_device_options(self)
