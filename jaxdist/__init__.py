@@ -13,6 +13,7 @@ from jaxdist import models as models
 from jaxdist import precision as precision
 from jaxdist import ps as ps
 from jaxdist import schedules as schedules
+from jaxdist import zero as zero
 from jaxdist.accumulate import accumulate_gradients as accumulate_gradients
 from jaxdist.cluster import ClusterSpec as ClusterSpec
 from jaxdist.fit import History as History
@@ -55,5 +56,5 @@ __all__ = [
     "TPUStrategy", "accumulate_gradients", "all_gather", "all_reduce", "barrier", "callbacks",
     "checkpoint", "cluster", "compute_average_loss", "datasets", "evaluate", "fit",
     "initialize", "mirrored", "models", "num_replicas", "precision", "predict", "ps",
-    "replica_id", "schedules",
+    "replica_id", "schedules", "zero",
 ]
