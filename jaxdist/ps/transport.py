@@ -4,7 +4,7 @@ gRPC runs with generic handlers over raw ``bytes`` (no generated code); payloads
 :mod:`jaxdist.ps.wire` messages. Handler errors map to gRPC status codes and back to the same
 Python exceptions on the client, so a bad push fails that call only and the server keeps serving.
 
-Security model (see README "Parameter servers"):
+Security model (docs/guides/security.md has the limits, one a row):
 
 * every call carries the job's shared token in the ``x-jaxdist-token`` metadata; a server
   interceptor compares it (constant time) from the call's metadata, before gRPC reads the request
