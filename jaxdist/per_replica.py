@@ -211,9 +211,10 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     map and the transpose of that is a psum, so ``jax.grad`` would already return gradients summed
     over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
     """
-    compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
-    with replica.enter(layout.context(per_replica=True)):
-        out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
+    with layout.mesh_context():  # inside a user's own jax.set_mesh, on the strategy's mesh
+        compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
+        with replica.enter(layout.context(per_replica=True)):
+            out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
     if keeps_state:
         cache.in_flight.add(out[1], out[0])
     else:

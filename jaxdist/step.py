@@ -111,6 +111,11 @@ class DistributedStep:
         return f"DistributedStep({getattr(self._fn, '__qualname__', self._fn)!r}, {self.strategy!r})"
 
     def __call__(self, state: PyTree, batch: PyTree, /):
+        # Called inside the user's own ``jax.set_mesh`` (Explicit axes, say): run on ours.
+        with self.strategy.layout.mesh_context():
+            return self._call(state, batch)
+
+    def _call(self, state: PyTree, batch: PyTree, /):
         layout = self.strategy.layout
         state = self.strategy.put(state)
         batch = layout.put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis

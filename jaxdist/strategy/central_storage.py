@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import mesh as mesh_lib
-from jaxdist.strategy.base import MeshStrategy, resolve_devices
+from jaxdist.strategy.base import UserMeshStrategy, resolve_devices
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ HOST_MEMORY = "pinned_host"
 
 
 @dataclasses.dataclass(frozen=True)
-class CentralStorageStrategy(MeshStrategy):
+class CentralStorageStrategy(UserMeshStrategy):
     """Synchronous data parallelism with the state held once, in host memory.
 
     Between steps the parameters and optimizer state live in host memory (``pinned_host``), one
@@ -36,11 +36,15 @@ class CentralStorageStrategy(MeshStrategy):
 
     Args:
       devices: the compute devices (default: all of this process's devices).
+      mesh: keyword-only; a mesh of your own to run on instead of ``devices`` (see
+        ``MirroredStrategy``).
+      data_axes: keyword-only; the axes of ``mesh`` the replicas span (default: all of them).
     """
 
     devices: Sequence[jax.Device] | None = None
 
     def __post_init__(self):
+        self._check_mesh_options(self.devices)
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices,
                                                                 "CentralStorageStrategy", lazy=True))

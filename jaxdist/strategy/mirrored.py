@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from jaxdist import collectives
 from jaxdist import mesh as mesh_lib
-from jaxdist.strategy.base import MeshStrategy, resolve_devices
+from jaxdist.strategy.base import MeshStrategy, UserMeshStrategy, resolve_devices
 
 
 ALIASES = {"auto": "xla", "nccl": "xla"}
@@ -60,7 +60,7 @@ class _CrossDeviceOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
+class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """Synchronous data parallelism over the local devices (``tf.distribute.MirroredStrategy``).
 
     State is replicated on every device; each step's global batch is split over them; gradients are
@@ -74,10 +74,21 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
         or ``"one_device"``.
       pack_bytes: pack leaves smaller than this many bytes into shared buckets before reducing.
       compress: ``"bf16"`` sends float gradients as bfloat16.
+      mesh: keyword-only; a ``jax.sharding.Mesh`` of your own to run on instead of ``devices``
+        (Explicit axes, as ``jax.make_mesh`` gives, or Auto). Arrays already on it are used
+        without a copy.
+      data_axes: keyword-only; the axes of ``mesh`` that carry the replicas (default: all of
+        them). State leaves you sharded over the mesh's other axes keep their sharding.
+
+    Raises:
+      ValueError: ``devices`` and ``mesh`` both given, or ``data_axes`` that the mesh lacks.
 
     >>> import jax, jaxdist
     >>> jaxdist.MirroredStrategy(jax.devices()[:1]).num_replicas_in_sync
     1
+    >>> m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    >>> jaxdist.MirroredStrategy(mesh=m, data_axes=("data",)).num_replicas_in_sync
+    2
     """
 
     devices: Sequence[jax.Device] | None = None
@@ -86,6 +97,7 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     compress: str | None = None
 
     def __post_init__(self):
+        self._check_mesh_options(self.devices)
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy",
                                                                 lazy=True))

@@ -10,12 +10,12 @@ from jax.sharding import Mesh
 
 from jaxdist import mesh as mesh_lib
 from jaxdist.collectives import CROSS_PROCESS_PACK_BYTES
-from jaxdist.strategy.base import MeshStrategy
+from jaxdist.strategy.base import UserMeshStrategy
 from jaxdist.strategy.mirrored import _CrossDeviceOptions, check_cross_device_options
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
+class MultiWorkerMirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """Synchronous data parallelism over every device of every process.
 
     Call ``jaxdist.initialize(...)`` (or launch with ``jaxdist launch``) before the first JAX call,
@@ -34,6 +34,8 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
         otherwise be one gloo call: XLA:CPU sends a combined all-reduce operand by operand.
         ``pack_bytes=None`` sends every leaf on its own. Packing changes no value: each element is
         the same sum of the same replicas' values.
+      mesh, data_axes: keyword-only; a mesh of your own over every process's devices and the
+        axes of it that carry the replicas (see ``MirroredStrategy``).
 
     >>> MultiWorkerMirroredStrategy().pack_bytes == 25 * 2**20
     True
@@ -45,6 +47,7 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     compress: str | None = None
 
     def __post_init__(self):
+        self._check_mesh_options()
         check_cross_device_options(self)
 
     def _build_mesh(self) -> Mesh:
@@ -57,8 +60,13 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, MeshStrategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class TPUStrategy(_CrossDeviceOptions, MeshStrategy):
+class TPUStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """``MirroredStrategy`` over the TPU cores (``jax.devices("tpu")``), all-reducing over ICI.
+
+    Args:
+      cross_device_ops, pack_bytes, compress: as for ``MirroredStrategy``.
+      mesh, data_axes: keyword-only; a mesh of your own over TPU cores and the axes of it that
+        carry the replicas (see ``MirroredStrategy``).
 
     Raises:
       RuntimeError: when no TPU is present (the message suggests ``MirroredStrategy``).
@@ -69,6 +77,7 @@ class TPUStrategy(_CrossDeviceOptions, MeshStrategy):
     compress: str | None = None
 
     def __post_init__(self):
+        self._check_mesh_options()
         check_cross_device_options(self)
         self._tpu_devices()  # fail at construction: a TPU strategy without TPUs is a config error
 
