@@ -219,7 +219,23 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
         cache.in_flight.add(out[1], out[0])
     else:
         cache.in_flight.add(out, ())
+    masks = [v.mask for v in values if type(v) is Batch and v.mask is not None]
+    if len(masks) == 1:
+        _mark_rows(out[1] if keeps_state else out, masks[0], layout.num_replicas)
     return out
+
+
+def _mark_rows(out: PyTree, mask: Any, n: int) -> None:
+    """Tags outputs with one row per example of the batch with its mask (not the new state).
+
+    A partial last batch is padded; tf's own ``reduce(..., axis=0)`` and ``gather`` see only the
+    real rows (its replicas get fewer), so ours must skip the padding rows to give tf's numbers.
+    """
+    rows = mask.shape[0] // n
+    for leaf in jax.tree.leaves(out, is_leaf=is_per_replica):
+        if (isinstance(leaf, PerReplica) and leaf._blocks == n
+                and isinstance(leaf._value, jax.Array) and leaf._value.shape[0] == rows * n):
+            leaf._mask = mask
 
 
 def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None):
@@ -321,9 +337,15 @@ def _split_nest(value: PyTree):
 
 
 def _plain_reduce(layout: Layout, op: ReduceOp, x: Any, axis: int | None):
-    """``reduce`` of a value that is the same on every replica."""
+    """``reduce`` of a value that is the same on every replica.
+
+    As tf: every replica holds ``x``, so ``"sum"`` along ``axis`` is the sum over the replicas of
+    each one's sum (``[1, 2, 3]`` on 2 replicas: 12), and ``"mean"`` is the mean of ``x``.
+    """
     if axis is not None:
-        return (jnp.sum if op is ReduceOp.SUM else jnp.mean)(x, axis=axis)
+        if op is ReduceOp.SUM:
+            return jnp.sum(x, axis=axis) * layout.num_replicas
+        return jnp.mean(x, axis=axis)
     if op is ReduceOp.SUM and layout.num_replicas > 1:
         raise ValueError(
             "strategy.reduce('sum', value) got a value that is not per-replica, so summing it "
@@ -338,6 +360,11 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
     if not per:
         return jax.tree.map(lambda x: _plain_reduce(layout, op, x, axis), value)
     reduced = _reduce_stacked(op.value, axis, layout.replicated, [leaves[i] for i in per])
+    if axis is not None:  # rows of a padded batch: count the real ones only, as tf does
+        for k, i in enumerate(per):
+            x = leaves[i]
+            if x._mask is not None and axis % x._value.ndim == 0:
+                reduced[k] = _masked_reduce(op.value, layout.replicated, x._value, x._mask)
     out = [_plain_reduce(layout, op, x, axis) if not isinstance(x, PerReplica) else None
            for x in leaves]
     for i, r in zip(per, reduced):
@@ -360,6 +387,26 @@ def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, valu
     return jax.tree.map(one, [v.stacked for v in values])
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _masked_reduce(op: str, out_sharding: NamedSharding, rows: jax.Array, mask: jax.Array):
+    keep = mask.reshape(mask.shape + (1,) * (rows.ndim - 1))
+    total = jnp.sum(jnp.where(keep, rows, jnp.zeros((), rows.dtype)), axis=0)
+    if op == "mean":
+        total = total / jnp.sum(mask, dtype=total.dtype)
+    return jax.lax.with_sharding_constraint(total, out_sharding)
+
+
+def _real_rows(layout: Layout, gathered: jax.Array, mask: jax.Array) -> jax.Array:
+    """The rows of a gathered per-example value whose mask is True (a host read of the mask)."""
+    if mask.is_fully_addressable:
+        keep = np.flatnonzero(np.asarray(mask))
+    else:  # sharded over several processes: replicate it first (every process reads it all)
+        keep = np.flatnonzero(np.asarray(place_all(mask, layout.replicated).addressable_data(0)))
+    if keep.size == mask.shape[0]:
+        return gathered
+    return place_all(gathered[jnp.asarray(keep)], layout.replicated)
+
+
 def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"strategy.gather(value, axis) needs an int axis, got {axis!r}")
@@ -369,6 +416,10 @@ def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
             f"strategy.gather got a value that is not per-replica; with {layout.num_replicas} "
             "replicas only the PerReplica values returned by strategy.run can be gathered")
     gathered = _gather_stacked(int(axis), layout.replicated, [leaves[i] for i in per])
+    for k, i in enumerate(per):
+        x = leaves[i]
+        if x._mask is not None and axis % x._value.ndim == 0:
+            gathered[k] = _real_rows(layout, gathered[k], x._mask)
     out = list(leaves)
     for i, g in zip(per, gathered):
         out[i] = g

@@ -50,17 +50,20 @@ class PerReplica:
     PerReplica((2, 3))
     """
 
-    __slots__ = ("_value", "_blocks")
+    __slots__ = ("_value", "_blocks", "_mask")
 
     def __init__(self, stacked: PyTree):
         self._value = stacked
         self._blocks = 0  # 0: ``_value`` is stacked; n: n replicas' values concatenated on axis 0
+        # The global batch mask when this value has one row per example of a Batch that
+        # strategy.run split (set by run): reduce / gather along axis 0 then count real rows only.
+        self._mask = None
 
     @classmethod
     def _from_blocks(cls, value: Any, num_replicas: int) -> PerReplica:
         """A ``PerReplica`` over ``value``: ``num_replicas`` values concatenated along axis 0."""
         obj = object.__new__(cls)
-        obj._value, obj._blocks = value, num_replicas
+        obj._value, obj._blocks, obj._mask = value, num_replicas, None
         return obj
 
     @property
@@ -78,7 +81,7 @@ class PerReplica:
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
-        obj._value, obj._blocks = children[0], aux
+        obj._value, obj._blocks, obj._mask = children[0], aux, None
         return obj
 
     def __repr__(self) -> str:
