@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist import replica
 from jaxdist._datacheck import check_fits_jax_dtype
 from jaxdist._types import PyTree
-from jaxdist.values import Batch
+from jaxdist.values import Batch, is_static_leaf
 
 
 def _identity_step(fn: Callable) -> Callable:
@@ -144,8 +144,8 @@ class Layout:
     def is_placed(self, tree: PyTree) -> bool:
         """True when every leaf already lives where state lives: the steady state of a loop, a
         step's output fed straight back in. Much cheaper than rebuilding the tree."""
-        return all(isinstance(x, jax.Array) and x.sharding is self.leaf_sharding(x)
-                   for x in jax.tree.leaves(tree))
+        return all((isinstance(x, jax.Array) and x.sharding is self.leaf_sharding(x))
+                   or is_static_leaf(x) for x in jax.tree.leaves(tree))
 
     def put_state(self, tree: PyTree) -> PyTree:
         """Every leaf placed where state lives; leaves already there are kept (a step may donate
@@ -153,17 +153,20 @@ class Layout:
         if self.is_placed(tree):
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        targets = [self.leaf_sharding(x) for x in leaves]
         # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
         # next step may donate it. A user's array on an equivalent sharding (a single-device array
         # on a one-device mesh) is copied, or donation would delete the caller's own array.
+        # Static leaves (an Equinox module's functions, say) stay as they are.
         return jax.tree.unflatten(treedef, [
-            x if isinstance(x, jax.Array) and x.sharding == t else _placed_copy(x, t)
-            for x, t in zip(leaves, targets)])
+            x if is_static_leaf(x) else
+            x if isinstance(x, jax.Array) and x.sharding == self.leaf_sharding(x)
+            else _placed_copy(x, self.leaf_sharding(x)) for x in leaves])
 
     def put_replicated(self, tree: PyTree) -> PyTree:
-        """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
-        return place_all(tree, self.replicated)
+        """A copy of every leaf in each replica's device memory (what per-replica code reads);
+        static leaves are kept as they are."""
+        return jax.tree.map(lambda x: x if is_static_leaf(x) else place_all(x, self.replicated),
+                            tree)
 
     def put_batch(self, batch: PyTree) -> PyTree:
         """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same

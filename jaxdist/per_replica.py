@@ -26,7 +26,7 @@ from jaxdist._types import PyTree
 from jaxdist.layout import Layout, place_all, placed_on
 from jaxdist.replica import ReduceOp
 from jaxdist.step import InFlight, returns_state
-from jaxdist.values import Batch, PerReplica, is_per_replica
+from jaxdist.values import Batch, PerReplica, explain_batch_error, is_per_replica, is_static_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
              statics: tuple, num_first: int, values: list) -> tuple[Callable, bool]:
     split = jax.P(layout.data_axes)
     n = layout.num_replicas
-    traced_returns_state, out_ranks = [], []
+    traced_returns_state, out_ranks, out_statics, out_defs = [], [], {}, []
 
     def body(*vals):
         vals, consts = iter(vals), iter(statics)
@@ -300,11 +300,19 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
         out = get_fn()(*args, **kwargs)
         traced_returns_state.append(bool(args) and returns_state(args[0], out))
         leaves, out_def = jax.tree.flatten(out)
-        leaves = [jnp.asarray(x) for x in leaves]
+        # Static leaves (an Equinox module's functions in a returned state) leave the program
+        # beside it, not through it: only arrays can.
+        out_statics.clear()
+        out_statics.update((i, x) for i, x in enumerate(leaves) if is_static_leaf(x))
+        leaves = [jnp.asarray(x) for x in leaves if not is_static_leaf(x)]
         out_ranks[:] = [x.ndim for x in leaves]
         # A value of rank >= 1 leaves as its replica's block of a concatenation (no reshape: see
         # PerReplica); only scalars gain the leading replica axis.
-        return jax.tree.unflatten(out_def, [x if x.ndim else x[None] for x in leaves])
+        leaves = [x if x.ndim else x[None] for x in leaves]
+        if out_statics:
+            out_defs[:] = [out_def]
+            return leaves
+        return jax.tree.unflatten(out_def, leaves)
 
     in_specs = tuple(jax.P() if k == _REP else split for k in kinds if k != _STATIC)
     mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=split,
@@ -318,15 +326,33 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
             for x, rank in zip(leaves, out_ranks)])
 
     with replica.enter(layout.context(per_replica=True)):
-        jax.eval_shape(mapped, *values)
+        try:
+            jax.eval_shape(mapped, *values)
+        except (TypeError, AttributeError, ValueError) as e:
+            explain_batch_error(e, next((v for v in values if type(v) is Batch), None))
+            raise
     keeps_state = traced_returns_state[-1]
-    # The per-replica state (the PerReplica leaves of the first argument) is donated when the
-    # function hands back a new state in its place: its buffers hold the new state.
+    if out_statics:  # the program returns the arrays; the output tree is rebuilt around them
+        out_def, statics_at = out_defs[0], dict(out_statics)
+        compiled = jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state))
+
+        def with_statics(*vals):
+            it = iter(compiled(*vals))
+            return jax.tree.unflatten(out_def, [statics_at[i] if i in statics_at else next(it)
+                                                for i in range(out_def.num_leaves)])
+
+        with_statics.lower = compiled.lower
+        return with_statics, keeps_state
+    return jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state)), keeps_state
+
+
+def _donated(kinds: tuple[str, ...], num_first: int, keeps_state: bool) -> tuple[int, ...]:
+    """The per-replica state (the PerReplica leaves of the first argument) is donated when the
+    function hands back a new state in its place: its buffers hold the new state."""
     value_kinds = [k for k in kinds if k != _STATIC]
     first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
-    donate = tuple(i for i in range(first_values)
-                   if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
-    return jax.jit(program, donate_argnums=donate), keeps_state
+    return tuple(i for i in range(first_values)
+                 if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
 
 
 # --- reading per-replica values --------------------------------------------------------------------
