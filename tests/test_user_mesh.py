@@ -170,3 +170,13 @@ def test_mesh_option_errors():
     # A positional call still means devices, as before.
     assert jaxdist.MirroredStrategy(jax.devices()[:2], "ring").cross_device_ops == "ring"
     assert jaxdist.MirroredStrategy().mesh.axis_names == ("data",)
+
+
+@pytest.mark.parametrize("module", ["jax._src.api", "jaxdist.layout"])
+def test_jax_deprecations_are_errors_in_this_suite(module):
+    # pyproject's filterwarnings: a deprecation JAX attributes to itself or to jaxdist's own call
+    # fails the test, so jaxdist keeps to current JAX idioms.
+    import warnings
+
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("an old idiom", DeprecationWarning, "x.py", 1, module=module)
