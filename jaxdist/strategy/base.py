@@ -265,6 +265,13 @@ class MeshStrategy(Strategy):
           axis: ``None`` reduces across replicas only; an int also reduces along that axis of each
             replica's value (``"mean"`` then averages over all those elements, the global batch mean).
 
+        As in tf: a per-example value that ``run`` returned for a ``jaxdist.Batch`` (one row per
+        example: its leading size is the replica's share of the batch) counts only the batch's
+        real rows along ``axis=0``, so a padded last batch of 13 rows in batches of 8 gives the
+        mean of its 5 real rows; and a value that is not per-replica is held by every replica, so
+        ``"sum"`` along an axis is the sum over the replicas of its sum (``[1, 2, 3]`` on 2
+        replicas: 12), while ``"sum"`` with ``axis=None`` is refused as tf refuses it.
+
         Returns:
           The nest with each per-replica value reduced to one replicated array.
         """
@@ -280,7 +287,9 @@ class MeshStrategy(Strategy):
 
         Returns:
           The nest with each per-replica value replaced by the concatenation, in replica order,
-          replicated on every device (every process sees all of it).
+          replicated on every device (every process sees all of it). Along ``axis=0``, a
+          per-example value of a padded batch keeps only the real rows (as tf, whose replicas
+          get fewer rows); reading which rows are real waits for the batch's mask.
         """
         with self.layout.mesh_context():
             return per_replica.gather(self.layout, value, axis)
