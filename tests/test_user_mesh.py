@@ -170,6 +170,9 @@ def test_mesh_option_errors():
     # A positional call still means devices, as before.
     assert jaxdist.MirroredStrategy(jax.devices()[:2], "ring").cross_device_ops == "ring"
     assert jaxdist.MirroredStrategy().mesh.axis_names == ("data",)
+    assert repr(jaxdist.MirroredStrategy()) == (
+        "MirroredStrategy(devices=None, cross_device_ops='xla', pack_bytes=None, compress=None)")
+    assert repr(jaxdist.MirroredStrategy(mesh=mesh)).endswith(f"mesh={mesh!r}, data_axes=('data',))")
 
 
 @pytest.mark.parametrize("module", ["jax._src.api", "jaxdist.layout"])

@@ -341,7 +341,7 @@ class _MeshOption:
         object.__setattr__(obj, "_user_mesh", value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class UserMeshStrategy(MeshStrategy):
     """A mesh strategy that may run on a mesh the user already has (``mesh=``, ``data_axes=``).
 
@@ -375,6 +375,15 @@ class UserMeshStrategy(MeshStrategy):
 
     # ``mesh`` (the dataclass option above) replaced ``Strategy.mesh`` on this class: reads are the
     # same (the descriptor returns the layout's mesh), so nothing else changes.
+
+    def __repr__(self) -> str:
+        # The strategy's own options first, then the mesh options only when a mesh was given
+        # (subclasses are declared with repr=False so that this one is kept).
+        own = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+               if f.repr and f.name not in ("_user_mesh", "mesh", "data_axes")]
+        if self._user_mesh is not None:
+            own += [f"mesh={self._user_mesh!r}", f"data_axes={self.data_axes!r}"]
+        return f"{type(self).__name__}({', '.join(own)})"
 
 
 def resolve_devices(devices: Sequence[jax.Device | str] | None, what: str, *,

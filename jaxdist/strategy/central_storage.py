@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 HOST_MEMORY = "pinned_host"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
 class CentralStorageStrategy(UserMeshStrategy):
     """Synchronous data parallelism with the state held once, in host memory.
 

@@ -59,7 +59,7 @@ class _CrossDeviceOptions:
         return self.compress
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
 class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """Synchronous data parallelism over the local devices (``tf.distribute.MirroredStrategy``).
 

@@ -16,7 +16,7 @@ from jaxdist.strategy.base import UserMeshStrategy
 from jaxdist.strategy.mirrored import _CrossDeviceOptions, check_cross_device_options
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
 class MultiWorkerMirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """Synchronous data parallelism over every device of every process.
 
@@ -88,7 +88,7 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
         return mesh_lib.host_local_mesh(jax.devices(), jax.process_count())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
 class TPUStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """``MirroredStrategy`` over the TPU cores (``jax.devices("tpu")``), all-reducing over ICI.
 
