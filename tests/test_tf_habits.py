@@ -1,7 +1,8 @@
 """tf.distribute habits, checked against the values TensorFlow 2.21 gives for the same programs.
 
 The tf values were measured with tensorflow-cpu 2.21 (MirroredStrategy over 2, 4 and 8 logical
-CPU devices; TFConfigClusterResolver + multi_worker_util for TF_CONFIG): see the comments.
+CPU devices; TFConfigClusterResolver + multi_worker_util for TF_CONFIG) by
+tests/_scripts/tf_habits_values.py: see the comments.
 """
 
 from __future__ import annotations
