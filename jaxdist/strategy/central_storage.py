@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import mesh as mesh_lib
 from jaxdist.strategy.base import UserMeshStrategy, resolve_devices
+from jaxdist.values import is_static_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +88,14 @@ class CentralStorageStrategy(UserMeshStrategy):
         def central_step(state, batch):
             # Host -> devices (a gather of the partitions), compute, devices -> host. XLA:CPU and
             # GPU refuse arithmetic that mixes memory spaces, so both moves are explicit.
-            on_device = jax.tree.map(lambda x: jax.device_put(x, device), state)
+            on_device = jax.tree.map(
+                lambda x: x if is_static_leaf(x) else jax.device_put(x, device), state)
             out = fn(on_device, batch)
             if isinstance(out, tuple) and len(out) == 2 and (
                     jax.tree.structure(out[0]) == jax.tree.structure(state)):
-                new_state = jax.tree.map(lambda x: jax.device_put(x, self._leaf_sharding(x)), out[0])
+                new_state = jax.tree.map(
+                    lambda x: x if is_static_leaf(x) else jax.device_put(x, self._leaf_sharding(x)),
+                    out[0])
                 return new_state, out[1]
             return out
 
