@@ -45,9 +45,18 @@ def main():
               f"{history.history['val_accuracy'][-1]:.4f}")
     reference = jax.tree.leaves(results.pop("DefaultStrategy()"))
     for name, params in results.items():
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(reference, jax.tree.leaves(params)))
-        print(f"largest parameter difference, {name} vs DefaultStrategy(): {diff:.1e}")
-        assert diff < 1e-4, diff
+        # Relative to each weight matrix's size (its L2 norm), the largest over the layers.
+        diff = max(float(np.linalg.norm(a - b) / np.linalg.norm(a))
+                   for a, b in zip(reference, jax.tree.leaves(params)))
+        print(f"largest parameter difference, {name} vs DefaultStrategy(): {diff:.1e} (relative)")
+        # One device computes exactly what DefaultStrategy computes (0.0). On 8 devices each
+        # gradient is the same float32 sum taken in another order (8 partial sums of 16 rows):
+        # after 1 epoch the layers differ by ~1e-7 relative (a few ulps). Adam divides by
+        # sqrt(v), which amplifies such differences in small gradients, and 120 steps compound
+        # them: 6.7e-5 relative (a bias vector) after 10 epochs, measured on CPU. A real change
+        # is far larger: a 1% higher learning rate gives >= 1.4e-2, one example fewer >= 0.17.
+        # Hence 1e-3: 15x the float32 drift, 14x below a 1% change.
+        assert diff < 1e-3, diff
 
 
 if __name__ == "__main__":

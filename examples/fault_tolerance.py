@@ -80,6 +80,9 @@ def main():
                     "--backup", os.path.join(tmp, name), "--out", out], restarts=1)
             with np.load(out) as f:
                 runs[name] = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+        # Exact, not a tolerance: on CPU the resumed run repeats the same float32 operations
+        # in the same order from the restored state and input position (DESIGN: resume is
+        # bitwise exact on CPU); any difference means a step was lost or repeated.
         exact = all(np.array_equal(a, b) for a, b in zip(*runs.values()))
         print(f"killed-and-resumed run bitwise equal to the uninterrupted run: {exact}")
         sys.exit(0 if exact else 1)

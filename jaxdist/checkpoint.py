@@ -42,7 +42,7 @@ from jaxdist._ckpt_integrity import (CompleteSteps, DigestsHandler, DigestsResto
                                      meta_checksum)
 from jaxdist._digest import dispatch_digests, tree_digests
 from jaxdist._types import PyTree
-from jaxdist.values import has_per_replica
+from jaxdist.values import has_per_replica, is_static_leaf
 
 if TYPE_CHECKING:
     from jaxdist.strategy.base import Strategy
@@ -194,6 +194,23 @@ def _release(directory: str) -> None:
             entry[0].close()
 
 
+def _array_part(tree: PyTree) -> tuple[PyTree, Any]:
+    """A state with static leaves (an Equinox module's functions, say) as the list of its array
+    leaves, which is what is saved, and what is needed to put it back; other states as they are."""
+    if tree is None:
+        return tree, None
+    leaves, treedef = jax.tree.flatten(tree)
+    if not any(is_static_leaf(x) for x in leaves):
+        return tree, None
+    return [x for x in leaves if not is_static_leaf(x)], (treedef, leaves)
+
+
+def _with_statics(arrays: list, statics: Any) -> PyTree:
+    treedef, leaves = statics
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [x if is_static_leaf(x) else next(it) for x in leaves])
+
+
 def _all_agree(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when there are several)."""
     if jax.process_count() == 1:
@@ -290,6 +307,7 @@ class CheckpointManager:
                 "CheckpointManager.save got per-replica values (the state returned by strategy.run); "
                 "save one copy that restores on any device count: "
                 "mgr.save(step, strategy.to_mirrored(state))")
+        state, _ = _array_part(state)  # an Equinox module's functions are not saved
         if self.best_metric is not None and metrics is not None and self.best_metric not in metrics:
             raise ValueError(f"save(metrics={sorted(metrics)}) lacks best_metric "
                              f"{self.best_metric!r}, which decides the checkpoints kept")
@@ -464,6 +482,7 @@ class CheckpointManager:
         others = [s for s in self.all_steps() if s != step]
         hint = f"steps you can try instead: {others or 'none'}"
         out, error = None, None
+        target, statics = _array_part(target)  # restored arrays go back beside them at the end
         try:
             if target is None:
                 target = self._saved_tree(step)
@@ -484,7 +503,7 @@ class CheckpointManager:
                 f"files are damaged, restore another one ({hint})") from error
         if self.verify:
             self._verify(step, out, hint, target)
-        return out
+        return out if statics is None else _with_statics(out, statics)
 
     def _check_target(self, step: int, target: PyTree) -> None:
         """Raises ``CheckpointMismatchError`` when ``target`` differs from step's saved tree.

@@ -361,11 +361,18 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
             raise _fail(f"TF_CONFIG['cluster'][{job!r}]", addresses,
                         f"unknown task type {job!r}; expected one of {TASK_TYPES}",
                         "rename the job ('master' is now 'chief') or remove it")
+        if isinstance(addresses, Mapping):
+            addresses = _dense_job(job, addresses)
         if isinstance(addresses, str) or not isinstance(addresses, Sequence):
             raise _fail(f"TF_CONFIG['cluster'][{job!r}]", addresses,
                         "expected a list of 'host:port' addresses", f'write "{job}": ["host:port"]')
         jobs[job] = tuple(addresses)
     _check_addresses({f"TF_CONFIG['cluster'][{job!r}]": a for job, a in jobs.items()})
+    if len(jobs.get("evaluator", ())) > 1:
+        # As tf's ClusterSpec validation: one evaluator task, which evaluates every checkpoint.
+        raise _fail("TF_CONFIG['cluster']['evaluator']", list(jobs["evaluator"]),
+                    "at most one evaluator is allowed (as in tf.distribute)",
+                    "keep one evaluator; run further evaluations as separate jobs")
     if len(jobs.get("chief", ())) > 1:
         raise _fail("TF_CONFIG['cluster']['chief']", list(jobs["chief"]),
                     "at most one chief is allowed", "move the others to 'worker'")
@@ -403,6 +410,28 @@ def _spec_from_tf_config(config: Mapping[str, Any]) -> ClusterSpec:
                        process_id=process_id, task_type=task_type, task_index=index,
                        ps=jobs.get("ps", ()), workers=processes,
                        evaluator=jobs.get("evaluator", ()), chief=jobs.get("chief", ()))
+
+
+def _dense_job(job: str, tasks: Mapping[Any, Any]) -> list:
+    """tf's sparse job form, ``{"0": "h0:2222", "1": "h1:2222"}`` (task index -> address), as a
+    list in index order; every index from 0 must be there: each task is a process of the job."""
+    field = f"TF_CONFIG['cluster'][{job!r}]"
+    by_index = {}
+    for key, address in tasks.items():
+        index = key if _is_int(key) else int(key) if isinstance(key, str) and is_decimal(key) else None
+        if index is None:
+            raise _fail(field, dict(tasks), f"task index {key!r} is not an integer",
+                        'write the sparse form as {"0": "host:port", "1": "host:port"}')
+        if index in by_index:
+            raise _fail(field, dict(tasks), f"task index {index} is given twice",
+                        "list each task once")
+        by_index[index] = address
+    missing = sorted(set(range(len(by_index))) - set(by_index))
+    if missing:
+        raise _fail(field, dict(tasks), f"task indexes {missing} are missing; jaxdist needs every "
+                    f"task of a job from 0 to {max(by_index)}",
+                    "list every task, or renumber them from 0")
+    return [by_index[i] for i in range(len(by_index))]
 
 
 def cluster_from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | None:

@@ -7,8 +7,10 @@ run one way: ``layout`` <- ``input`` / ``step`` <- ``strategy`` <- ``fit`` / ``c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist import replica
 from jaxdist._datacheck import check_fits_jax_dtype
 from jaxdist._types import PyTree
-from jaxdist.values import Batch
+from jaxdist.values import Batch, is_static_leaf
 
 
 def _identity_step(fn: Callable) -> Callable:
@@ -58,9 +60,26 @@ class Layout:
     compress: str | None = None
     state_tree_sharding: Callable[[PyTree], PyTree] | None = None
 
-    @property
+    @functools.cached_property
     def num_replicas(self) -> int:
-        return self.mesh.devices.size
+        """Replicas: the devices along ``data_axes`` (a mesh may also have axes of the user's own,
+        over which each replica's work is split by the user's shardings)."""
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+    @functools.cached_property
+    def other_axes(self) -> tuple[str, ...]:
+        """Mesh axes that carry no replicas: axes of a user's own mesh that their code shards."""
+        return tuple(a for a in self.mesh.axis_names
+                     if a not in self.data_axes and self.mesh.shape[a] > 1)
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """Where a step is called and traced: the caller's context, unless the caller set another
+        mesh (``jax.set_mesh(user_mesh)``, Explicit axes, say), which the strategy's arrays do not
+        live on; then this layout's own mesh for the duration of the call."""
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty or context == self.mesh.abstract_mesh:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:
@@ -76,7 +95,13 @@ class Layout:
     def local_devices(self) -> tuple[jax.Device, ...]:
         """The mesh's devices owned by this process, in replica order."""
         me = jax.process_index()
-        return tuple(d for d in self.mesh.devices.flat if d.process_index == me)
+        devices = self.mesh.devices
+        if self.other_axes:  # one device per replica: the first along the user's other axes
+            names = list(self.mesh.axis_names)
+            order = [names.index(a) for a in self.data_axes]
+            order += [i for i in range(len(names)) if i not in order]
+            devices = devices.transpose(order).reshape(self.num_replicas, -1)[:, 0]
+        return tuple(d for d in devices.flat if d.process_index == me)
 
     @functools.cached_property
     def _contexts(self) -> dict[bool, replica.ReplicaContext]:
@@ -92,7 +117,30 @@ class Layout:
     # --- placement ------------------------------------------------------------------------------
     def leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:
         """Where one state leaf lives between steps."""
-        return self.replicated if self.state_sharding is None else self.state_sharding(leaf)
+        if self.state_sharding is not None:
+            return self.state_sharding(leaf)
+        if self.other_axes and isinstance(leaf, jax.Array):
+            return self._users_own(leaf.sharding)
+        return self.replicated
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (a layout lives as long as its strategy)
+    def _users_own(self, sharding: jax.sharding.Sharding) -> NamedSharding:
+        """A leaf the user sharded over their mesh's other axes keeps that layout (a copy per
+        replica of each of its shards); anything else is replicated."""
+        if not (isinstance(sharding, NamedSharding)
+                and sharding.mesh.axis_names == self.mesh.axis_names
+                and sharding.mesh.devices.shape == self.mesh.devices.shape
+                and (sharding.mesh.devices == self.mesh.devices).all()):
+            return self.replicated
+        used = {a for entry in sharding.spec if entry is not None
+                for a in ((entry,) if isinstance(entry, str) else entry)}
+        if not used or used & set(self.data_axes):
+            return self.replicated
+        return self._on_other_axes(sharding.spec)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (a layout lives as long as its strategy)
+    def _on_other_axes(self, spec: jax.sharding.PartitionSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
 
     def state_shardings(self, tree: PyTree) -> PyTree:
         """The sharding of every leaf of a state, as a tree shaped like ``tree``."""
@@ -113,7 +161,7 @@ class Layout:
         """True when every leaf already lives where state lives: the steady state of a loop, a
         step's output fed straight back in. Much cheaper than rebuilding the tree."""
         leaves, treedef = jax.tree.flatten(tree)
-        return all(isinstance(x, jax.Array) and x.sharding is t
+        return all((isinstance(x, jax.Array) and x.sharding is t) or is_static_leaf(x)
                    for x, t in zip(leaves, self._leaf_targets(leaves, treedef, tree)))
 
     def put_state(self, tree: PyTree) -> PyTree:
@@ -126,13 +174,17 @@ class Layout:
         # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
         # next step may donate it. A user's array on an equivalent sharding (a single-device array
         # on a one-device mesh) is copied, or donation would delete the caller's own array.
+        # Static leaves (an Equinox module's functions, say) stay as they are.
         return jax.tree.unflatten(treedef, [
-            x if isinstance(x, jax.Array) and x.sharding == t else _placed_copy(x, t)
-            for x, t in zip(leaves, targets)])
+            x if is_static_leaf(x) else
+            x if isinstance(x, jax.Array) and x.sharding == t
+            else _placed_copy(x, t) for x, t in zip(leaves, targets)])
 
     def put_replicated(self, tree: PyTree) -> PyTree:
-        """A copy of every leaf in each replica's device memory (what per-replica code reads)."""
-        return place_all(tree, self.replicated)
+        """A copy of every leaf in each replica's device memory (what per-replica code reads);
+        static leaves are kept as they are."""
+        return jax.tree.map(lambda x: x if is_static_leaf(x) else place_all(x, self.replicated),
+                            tree)
 
     def put_batch(self, batch: PyTree) -> PyTree:
         """Places a global batch on ``data_axes``: a ``Batch`` or a raw pytree of arrays (the same
@@ -170,7 +222,11 @@ class Layout:
 
 def placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
     """``x`` is a ``jax.Array`` laid out as ``sharding`` (or an equivalent one: on one device a
-    compiled step reports ``P()`` for what was placed as ``P("data")``)."""
+    compiled step reports ``P()`` for what was placed as ``P("data")``).
+
+    An array on another mesh is not placed even when its devices hold the same rows (a user's
+    ``jax.make_mesh``, with Explicit axes): a step refuses inputs on two meshes, so it is moved
+    onto ``sharding``'s mesh, which ``jax.device_put`` does without copying the buffers."""
     return isinstance(x, jax.Array) and (
         x.sharding == sharding or _equivalent(x.sharding, sharding, x.ndim))
 
@@ -178,6 +234,8 @@ def placed_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
 @functools.lru_cache(maxsize=256)
 def _equivalent(a: jax.sharding.Sharding, b: jax.sharding.Sharding, ndim: int) -> bool:
     """Remembered, so that a steady loop's check is a lookup, not a comparison of device maps."""
+    if isinstance(a, NamedSharding) and isinstance(b, NamedSharding) and a.mesh != b.mesh:
+        return False
     return a.is_equivalent_to(b, ndim)
 
 

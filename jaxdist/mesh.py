@@ -122,3 +122,49 @@ def device_from_string(spec: str) -> jax.Device:
             f"no device {spec!r}: task {task} has {len(candidates)} {kind.upper()} device(s); "
             f"this process has: {there}")
     return candidates[index]
+
+
+def with_auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` itself when every axis is ``Auto``, else the same devices and names with Auto axes.
+
+    A user's own mesh (``jax.make_mesh`` gives ``Explicit`` axes) is run by jaxdist's global view
+    on its Auto twin: the two describe the same device layout, so an array is moved between them
+    without a copy (``jax.device_put`` re-labels the buffers).
+
+    >>> import jax
+    >>> m = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> m.axis_types, with_auto_axes(m).axis_types
+    ((Explicit,), (Auto,))
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def check_user_mesh(mesh: Mesh, data_axes, what: str) -> tuple[str, ...]:
+    """Validates ``mesh=`` / ``data_axes=`` given to a strategy; returns the data axes.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` (Explicit or Auto axes) over the devices to use.
+      data_axes: the mesh axes the replicas (and the batch) span, in mesh order; ``None`` means
+        every axis of the mesh.
+      what: the strategy's name, for messages.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh`` (an ``AbstractMesh`` has no devices).
+      ValueError: ``data_axes`` names an axis the mesh lacks, repeats one, or is empty.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{what}(mesh=...) expects a jax.sharding.Mesh with devices, such as "
+                        f"jax.make_mesh((8,), ('data',)), got {type(mesh).__name__}")
+    if data_axes is None:
+        return tuple(mesh.axis_names)
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if not axes or unknown or len(set(axes)) != len(axes):
+        raise ValueError(
+            f"{what}(data_axes={data_axes!r}) must name one or more distinct axes of the mesh, "
+            f"whose axes are {tuple(mesh.axis_names)}" + (f"; {unknown} are not among them"
+                                                          if unknown else ""))
+    # In mesh order, so that replica r is the r-th device along the data axes, as JAX counts.
+    return tuple(a for a in mesh.axis_names if a in axes)

@@ -26,7 +26,7 @@ from jaxdist._types import PyTree
 from jaxdist.layout import Layout, place_all, placed_on
 from jaxdist.replica import ReduceOp
 from jaxdist.step import InFlight, returns_state
-from jaxdist.values import Batch, PerReplica, is_per_replica
+from jaxdist.values import Batch, PerReplica, explain_batch_error, is_per_replica, is_static_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +211,31 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     map and the transpose of that is a psum, so ``jax.grad`` would already return gradients summed
     over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
     """
-    compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
-    with replica.enter(layout.context(per_replica=True)):
-        out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
+    with layout.mesh_context():  # inside a user's own jax.set_mesh, on the strategy's mesh
+        compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
+        with replica.enter(layout.context(per_replica=True)):
+            out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
     if keeps_state:
         cache.in_flight.add(out[1], out[0])
     else:
         cache.in_flight.add(out, ())
+    masks = [v.mask for v in values if type(v) is Batch and v.mask is not None]
+    if len(masks) == 1:
+        _mark_rows(out[1] if keeps_state else out, masks[0], layout.num_replicas)
     return out
+
+
+def _mark_rows(out: PyTree, mask: Any, n: int) -> None:
+    """Tags outputs with one row per example of the batch with its mask (not the new state).
+
+    A partial last batch is padded; tf's own ``reduce(..., axis=0)`` and ``gather`` see only the
+    real rows (its replicas get fewer), so ours must skip the padding rows to give tf's numbers.
+    """
+    rows = mask.shape[0] // n
+    for leaf in jax.tree.leaves(out, is_leaf=is_per_replica):
+        if (isinstance(leaf, PerReplica) and leaf._blocks == n
+                and isinstance(leaf._value, jax.Array) and leaf._value.shape[0] == rows * n):
+            leaf._mask = mask
 
 
 def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None):
@@ -267,7 +284,7 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
              statics: tuple, num_first: int, values: list) -> tuple[Callable, bool]:
     split = jax.P(layout.data_axes)
     n = layout.num_replicas
-    traced_returns_state, out_ranks = [], []
+    traced_returns_state, out_ranks, out_statics, out_defs = [], [], {}, []
 
     def body(*vals):
         vals, consts = iter(vals), iter(statics)
@@ -283,11 +300,19 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
         out = get_fn()(*args, **kwargs)
         traced_returns_state.append(bool(args) and returns_state(args[0], out))
         leaves, out_def = jax.tree.flatten(out)
-        leaves = [jnp.asarray(x) for x in leaves]
+        # Static leaves (an Equinox module's functions in a returned state) leave the program
+        # beside it, not through it: only arrays can.
+        out_statics.clear()
+        out_statics.update((i, x) for i, x in enumerate(leaves) if is_static_leaf(x))
+        leaves = [jnp.asarray(x) for x in leaves if not is_static_leaf(x)]
         out_ranks[:] = [x.ndim for x in leaves]
         # A value of rank >= 1 leaves as its replica's block of a concatenation (no reshape: see
         # PerReplica); only scalars gain the leading replica axis.
-        return jax.tree.unflatten(out_def, [x if x.ndim else x[None] for x in leaves])
+        leaves = [x if x.ndim else x[None] for x in leaves]
+        if out_statics:
+            out_defs[:] = [out_def]
+            return leaves
+        return jax.tree.unflatten(out_def, leaves)
 
     in_specs = tuple(jax.P() if k == _REP else split for k in kinds if k != _STATIC)
     mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=split,
@@ -301,15 +326,33 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
             for x, rank in zip(leaves, out_ranks)])
 
     with replica.enter(layout.context(per_replica=True)):
-        jax.eval_shape(mapped, *values)
+        try:
+            jax.eval_shape(mapped, *values)
+        except (TypeError, AttributeError, ValueError) as e:
+            explain_batch_error(e, next((v for v in values if type(v) is Batch), None))
+            raise
     keeps_state = traced_returns_state[-1]
-    # The per-replica state (the PerReplica leaves of the first argument) is donated when the
-    # function hands back a new state in its place: its buffers hold the new state.
+    if out_statics:  # the program returns the arrays; the output tree is rebuilt around them
+        out_def, statics_at = out_defs[0], dict(out_statics)
+        compiled = jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state))
+
+        def with_statics(*vals):
+            it = iter(compiled(*vals))
+            return jax.tree.unflatten(out_def, [statics_at[i] if i in statics_at else next(it)
+                                                for i in range(out_def.num_leaves)])
+
+        with_statics.lower = compiled.lower
+        return with_statics, keeps_state
+    return jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state)), keeps_state
+
+
+def _donated(kinds: tuple[str, ...], num_first: int, keeps_state: bool) -> tuple[int, ...]:
+    """The per-replica state (the PerReplica leaves of the first argument) is donated when the
+    function hands back a new state in its place: its buffers hold the new state."""
     value_kinds = [k for k in kinds if k != _STATIC]
     first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
-    donate = tuple(i for i in range(first_values)
-                   if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
-    return jax.jit(program, donate_argnums=donate), keeps_state
+    return tuple(i for i in range(first_values)
+                 if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
 
 
 # --- reading per-replica values --------------------------------------------------------------------
@@ -320,9 +363,15 @@ def _split_nest(value: PyTree):
 
 
 def _plain_reduce(layout: Layout, op: ReduceOp, x: Any, axis: int | None):
-    """``reduce`` of a value that is the same on every replica."""
+    """``reduce`` of a value that is the same on every replica.
+
+    As tf: every replica holds ``x``, so ``"sum"`` along ``axis`` is the sum over the replicas of
+    each one's sum (``[1, 2, 3]`` on 2 replicas: 12), and ``"mean"`` is the mean of ``x``.
+    """
     if axis is not None:
-        return (jnp.sum if op is ReduceOp.SUM else jnp.mean)(x, axis=axis)
+        if op is ReduceOp.SUM:
+            return jnp.sum(x, axis=axis) * layout.num_replicas
+        return jnp.mean(x, axis=axis)
     if op is ReduceOp.SUM and layout.num_replicas > 1:
         raise ValueError(
             "strategy.reduce('sum', value) got a value that is not per-replica, so summing it "
@@ -337,6 +386,11 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
     if not per:
         return jax.tree.map(lambda x: _plain_reduce(layout, op, x, axis), value)
     reduced = _reduce_stacked(op.value, axis, layout.replicated, [leaves[i] for i in per])
+    if axis is not None:  # rows of a padded batch: count the real ones only, as tf does
+        for k, i in enumerate(per):
+            x = leaves[i]
+            if x._mask is not None and axis % x._value.ndim == 0:
+                reduced[k] = _masked_reduce(op.value, layout.replicated, x._value, x._mask)
     out = [_plain_reduce(layout, op, x, axis) if not isinstance(x, PerReplica) else None
            for x in leaves]
     for i, r in zip(per, reduced):
@@ -359,6 +413,26 @@ def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, valu
     return jax.tree.map(one, [v.stacked for v in values])
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _masked_reduce(op: str, out_sharding: NamedSharding, rows: jax.Array, mask: jax.Array):
+    keep = mask.reshape(mask.shape + (1,) * (rows.ndim - 1))
+    total = jnp.sum(jnp.where(keep, rows, jnp.zeros((), rows.dtype)), axis=0)
+    if op == "mean":
+        total = total / jnp.sum(mask, dtype=total.dtype)
+    return jax.lax.with_sharding_constraint(total, out_sharding)
+
+
+def _real_rows(layout: Layout, gathered: jax.Array, mask: jax.Array) -> jax.Array:
+    """The rows of a gathered per-example value whose mask is True (a host read of the mask)."""
+    if mask.is_fully_addressable:
+        keep = np.flatnonzero(np.asarray(mask))
+    else:  # sharded over several processes: replicate it first (every process reads it all)
+        keep = np.flatnonzero(np.asarray(place_all(mask, layout.replicated).addressable_data(0)))
+    if keep.size == mask.shape[0]:
+        return gathered
+    return place_all(gathered[jnp.asarray(keep)], layout.replicated)
+
+
 def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"strategy.gather(value, axis) needs an int axis, got {axis!r}")
@@ -368,6 +442,10 @@ def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
             f"strategy.gather got a value that is not per-replica; with {layout.num_replicas} "
             "replicas only the PerReplica values returned by strategy.run can be gathered")
     gathered = _gather_stacked(int(axis), layout.replicated, [leaves[i] for i in per])
+    for k, i in enumerate(per):
+        x = leaves[i]
+        if x._mask is not None and axis % x._value.ndim == 0:
+            gathered[k] = _real_rows(layout, gathered[k], x._mask)
     out = list(leaves)
     for i, g in zip(per, gathered):
         out[i] = g

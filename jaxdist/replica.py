@@ -21,10 +21,22 @@ from jaxdist._types import PyTree
 
 
 class ReduceOp(str, enum.Enum):
-    """How values from several replicas are combined (as ``tf.distribute.ReduceOp``)."""
+    """How values from several replicas are combined (as ``tf.distribute.ReduceOp``).
+
+    As tf's, it is built from its name, in any case: ``ReduceOp("SUM") is ReduceOp.SUM``.
+
+    >>> ReduceOp("SUM"), ReduceOp("mean")
+    (<ReduceOp.SUM: 'sum'>, <ReduceOp.MEAN: 'mean'>)
+    """
 
     SUM = "sum"
     MEAN = "mean"
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and value.lower() in {m.value for m in cls}:
+            return cls(value.lower())
+        return None
 
     @classmethod
     def parse(cls, op: "ReduceOp | str") -> "ReduceOp":

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxdist import replica
 from jaxdist._types import PyTree
-from jaxdist.values import Batch
+from jaxdist.values import Batch, StaticKey, explain_batch_error, is_static_leaf
 
 MAX_IN_FLIGHT = 32
 """The most steps a loop may keep queued: on XLA:CPU with several devices, ~100 queued steps with
@@ -48,7 +48,7 @@ class InFlight:
     def add(self, keep: PyTree, consumed: PyTree) -> None:
         """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
         self._calls += 1
-        handle = next(iter(jax.tree.leaves(keep)), None)
+        handle = next((x for x in jax.tree.leaves(keep) if isinstance(x, jax.Array)), None)
         if handle is None:
             if self._calls % self.max_in_flight == 0:
                 jax.block_until_ready(consumed)
@@ -70,8 +70,13 @@ def _same_layout(a: PyTree, b: PyTree) -> bool:
     """True when ``b`` could be stored in ``a``'s buffers (same structure, shapes and dtypes)."""
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
-    return all(np.shape(x) == np.shape(y) and jax.numpy.result_type(x) == jax.numpy.result_type(y)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(_same_leaf(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if is_static_leaf(x) or is_static_leaf(y):  # an Equinox module's function, say
+        return StaticKey(x) == StaticKey(y)
+    return np.shape(x) == np.shape(y) and jax.numpy.result_type(x) == jax.numpy.result_type(y)
 
 
 def returns_state(state: PyTree, out: Any) -> bool:
@@ -111,11 +116,19 @@ class DistributedStep:
         return f"DistributedStep({getattr(self._fn, '__qualname__', self._fn)!r}, {self.strategy!r})"
 
     def __call__(self, state: PyTree, batch: PyTree, /):
+        # Called inside the user's own ``jax.set_mesh`` (Explicit axes, say): run on ours.
+        with self.strategy.layout.mesh_context():
+            return self._call(state, batch)
+
+    def _call(self, state: PyTree, batch: PyTree, /):
         layout = self.strategy.layout
         state = self.strategy.put(state)
         batch = layout.put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
         mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
-        key = (jax.tree.structure(state), jax.tree.structure(batch), mask_at)
+        leaves, treedef = jax.tree.flatten(state)
+        if not all(isinstance(x, jax.Array) for x in leaves):  # placed: the rest are static
+            return self._call_static(leaves, treedef, batch, mask_at)
+        key = (treedef, jax.tree.structure(batch), mask_at)
         entry = self._compiled.get(key)
         if entry is None:
             entry = self._compiled[key] = self._build(state, batch)
@@ -158,7 +171,11 @@ class DistributedStep:
         batch_sh = layout.batch_shardings(batch)
         fn = layout.adapt_step(self._fn)
         with replica.enter(layout.context(per_replica=False)):
-            out = jax.eval_shape(fn, state, batch)
+            try:
+                out = jax.eval_shape(fn, state, batch)
+            except (TypeError, AttributeError, ValueError) as e:
+                explain_batch_error(e, batch)
+                raise
         keeps_state = returns_state(state, out)
         if keeps_state:
             out_sh = (state_sh, jax.tree.map(lambda _: layout.replicated, out[1]))
@@ -167,3 +184,70 @@ class DistributedStep:
         donates = self._donate and keeps_state
         return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=out_sh,
                        donate_argnums=(0,) if donates else ()), keeps_state
+
+    # --- states with static leaves (Equinox modules, NNX graphs, functions) ------------------------
+    def _call_static(self, leaves: list, treedef: Any, batch: PyTree, mask_at: Any):
+        """Runs a step on a state holding static leaves: only its arrays enter the compiled step
+        (as ``eqx.filter_jit`` does); static leaves are compiled in, and the step's outputs get
+        their static leaves back from the trace."""
+        layout = self.strategy.layout
+        static_at = tuple(i for i, x in enumerate(leaves) if not isinstance(x, jax.Array))
+        statics = tuple(leaves[i] for i in static_at)
+        arrays = [x for x in leaves if isinstance(x, jax.Array)]
+        key = ("static", treedef, static_at, tuple(StaticKey(v) for v in statics),
+               jax.tree.structure(batch), mask_at)
+        entry = self._compiled.get(key)
+        if entry is None:
+            entry = self._compiled[key] = self._build_static(treedef, static_at, statics, arrays,
+                                                             batch)
+        compiled, keeps_state, n_state, rebuild = entry
+        with replica.enter(layout.context(per_replica=False)):
+            flat = compiled(arrays, batch)
+        if keeps_state:
+            self._in_flight.add(flat[n_state:], flat[:n_state])
+        else:
+            self._in_flight.add(flat, ())
+        return rebuild(flat)
+
+    def _build_static(self, treedef, static_at, statics, arrays, batch):
+        layout = self.strategy.layout
+        fn = layout.adapt_step(self._fn)
+        found: dict[str, Any] = {}
+
+        def merged(arrays_in):
+            it, consts = iter(arrays_in), dict(zip(static_at, statics))
+            return jax.tree.unflatten(treedef, [consts[i] if i in consts else next(it)
+                                                for i in range(treedef.num_leaves)])
+
+        def flat_fn(arrays_in, batch_in):
+            state_in = merged(arrays_in)
+            out = fn(state_in, batch_in)
+            out_leaves, out_def = jax.tree.flatten(out)
+            keeps = returns_state(state_in, out)
+            found.update(out_def=out_def, keeps=keeps,
+                         statics={i: x for i, x in enumerate(out_leaves) if is_static_leaf(x)},
+                         n_state=sum(1 for x in jax.tree.leaves(out[0]) if not is_static_leaf(x))
+                         if keeps else 0)
+            return [x for x in out_leaves if not is_static_leaf(x)]
+
+        with replica.enter(layout.context(per_replica=False)):
+            try:
+                jax.eval_shape(flat_fn, arrays, batch)
+            except (TypeError, AttributeError, ValueError) as e:
+                explain_batch_error(e, batch)
+                raise
+        keeps, n_state, out_def, out_statics = (found["keeps"], found["n_state"],
+                                                found["out_def"], found["statics"])
+        array_sh = [layout.leaf_sharding(x) for x in arrays]
+        n_out = out_def.num_leaves - len(out_statics)
+        out_sh = (array_sh if keeps else []) + [layout.replicated] * (n_out - n_state)
+        donates = self._donate and keeps
+        compiled = jax.jit(flat_fn, in_shardings=(array_sh, layout.batch_shardings(batch)),
+                           out_shardings=out_sh, donate_argnums=(0,) if donates else ())
+
+        def rebuild(flat):
+            it = iter(flat)
+            return jax.tree.unflatten(out_def, [out_statics[i] if i in out_statics else next(it)
+                                                for i in range(out_def.num_leaves)])
+
+        return compiled, keeps, n_state, rebuild

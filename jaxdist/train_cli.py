@@ -196,7 +196,49 @@ def _build_model(args, num_classes: int):
         takes = "num_classes" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes = False
-    return factory(num_classes=num_classes) if takes else factory()
+    model = factory(num_classes=num_classes) if takes else factory()
+    return _as_linen_like(model, args.model)
+
+
+class _NNXClassifier:
+    """A Flax NNX module seen through linen's ``init`` / ``apply``, which the CLI's train state
+    and steps use: its ``nnx.Param`` values are the trained parameters (a plain dict, as a linen
+    model's, so checkpoints and ``jaxdist evaluate`` read them alike); any other state (batch
+    statistics, RNG counters) stays as the factory built it. The factory initialises the
+    weights itself (its ``nnx.Rngs``), so ``--seed`` does not change them."""
+
+    def __init__(self, module):
+        from flax import nnx
+
+        self._graphdef, params, self._rest = nnx.split(module, nnx.Param, ...)
+        self._params = nnx.to_pure_dict(params)
+        self._template = params
+
+    def init(self, rng, x):
+        return {"params": self._params}
+
+    def apply(self, variables, x):
+        from flax import nnx
+
+        params = nnx.State(self._template)  # a fresh copy: replace_by_pure_dict writes in place
+        nnx.replace_by_pure_dict(params, variables["params"])
+        return nnx.merge(self._graphdef, params, self._rest)(x)
+
+
+def _as_linen_like(model: Any, spec: str) -> Any:
+    """A linen module as it is; a Flax NNX module wrapped (``_NNXClassifier``); anything else
+    refused with what the factory must return."""
+    if hasattr(model, "init") and hasattr(model, "apply"):
+        return model
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        nnx = None
+    if nnx is not None and isinstance(model, nnx.Module):
+        return _NNXClassifier(model)
+    _fail(f"--model {spec}: the factory returned a {type(model).__name__}; it must return a "
+          "flax.linen Module (with init / apply) or a flax.nnx Module (called as module(x), "
+          "returning logits)")
 
 
 def _strategy(args, devices):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxdist._types import PyTree
 
@@ -50,17 +51,20 @@ class PerReplica:
     PerReplica((2, 3))
     """
 
-    __slots__ = ("_value", "_blocks")
+    __slots__ = ("_value", "_blocks", "_mask")
 
     def __init__(self, stacked: PyTree):
         self._value = stacked
         self._blocks = 0  # 0: ``_value`` is stacked; n: n replicas' values concatenated on axis 0
+        # The global batch mask when this value has one row per example of a Batch that
+        # strategy.run split (set by run): reduce / gather along axis 0 then count real rows only.
+        self._mask = None
 
     @classmethod
     def _from_blocks(cls, value: Any, num_replicas: int) -> PerReplica:
         """A ``PerReplica`` over ``value``: ``num_replicas`` values concatenated along axis 0."""
         obj = object.__new__(cls)
-        obj._value, obj._blocks = value, num_replicas
+        obj._value, obj._blocks, obj._mask = value, num_replicas, None
         return obj
 
     @property
@@ -78,7 +82,7 @@ class PerReplica:
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
-        obj._value, obj._blocks = children[0], aux
+        obj._value, obj._blocks, obj._mask = children[0], aux, None
         return obj
 
     def __repr__(self) -> str:
@@ -93,6 +97,25 @@ class PerReplica:
         return f"PerReplica({jax.tree.map(shape, self._value)})"
 
 
+_BATCH_HINT = (
+    "jaxdist: this step was given a jaxdist.Batch, a NamedTuple (data, mask): `data` is what the "
+    "dataset yields (e.g. the tuple (x, y)) and `mask` a bool [batch] array, False on padding rows "
+    "of a partial last batch. So `xb, yb = batch` binds xb to the whole data and yb to the mask. "
+    "Write `(xb, yb), mask = batch` or `xb, yb = batch.data`, and pass batch.mask to "
+    "jaxdist.compute_average_loss.")
+
+
+def explain_batch_error(error: BaseException, batch: Any) -> None:
+    """Adds a note saying what a ``Batch`` is to an error raised while tracing a step on one, when
+    it looks like the step unpacked the Batch as its data (``xb, yb = batch``): the data then
+    reaches the model as a tuple / dict, or the bool mask as labels."""
+    if not isinstance(batch, Batch) or not isinstance(batch.data, (tuple, list, dict)):
+        return
+    text = str(error)
+    if any(word in text for word in ("tuple", "dict", "list", "bool")):
+        error.add_note(_BATCH_HINT)
+
+
 def is_per_replica(x: Any) -> bool:
     """``is_leaf`` for walking a nest down to its ``PerReplica`` values."""
     return isinstance(x, PerReplica)
@@ -101,3 +124,51 @@ def is_per_replica(x: Any) -> bool:
 def has_per_replica(tree: PyTree) -> bool:
     """True when some node of ``tree`` is a ``PerReplica``."""
     return any(isinstance(x, PerReplica) for x in jax.tree.leaves(tree, is_leaf=is_per_replica))
+
+
+_ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
+
+
+def is_static_leaf(x: Any) -> bool:
+    """Whether a state leaf is static: not an array nor a number (an Equinox module's activation
+    function, a string, a Flax NNX module's non-array attribute, ...).
+
+    Only array leaves are placed on devices, traced and checkpointed; static leaves travel with
+    the state's structure unchanged, as ``eqx.partition(tree, eqx.is_array)`` would split them
+    (Python numbers stay arrays here, as jaxdist has always placed them).
+
+    >>> import jax.numpy as jnp
+    >>> [is_static_leaf(x) for x in (jnp.ones(2), 1.0, jnp.tanh, "relu")]
+    [False, False, True, True]
+    """
+    return not isinstance(x, _ARRAY_LEAVES) and not hasattr(x, "__jax_array__")
+
+
+class StaticKey:
+    """A static leaf as part of a compilation key: equal when the values are (the same object or
+    ``==``), hashed by value when hashable, else by identity."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any):
+        self.value = value
+        try:
+            self._hash = hash((type(value), value))
+        except TypeError:
+            self._hash = id(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, StaticKey):
+            return NotImplemented
+        a, b = self.value, other.value
+        if a is b:
+            return True
+        if type(a) is not type(b):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 (an __eq__ that returns arrays, or raises)
+            return False

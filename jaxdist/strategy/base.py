@@ -7,6 +7,7 @@ work happens in the functions it returns (``step``) or runs (``run``); building 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,8 +94,14 @@ class MeshStrategy(Strategy):
     @functools.cached_property
     def layout(self) -> Layout:
         """Where this strategy keeps state and batches: mesh, data axes, shardings, step adapter."""
-        mesh = self._build_mesh()
-        return Layout(mesh, self._data_axes(mesh), implementation=self._implementation,
+        user = getattr(self, "_user_mesh", None)
+        if user is not None:  # the user's own mesh, run on its Auto twin (same devices, no copies)
+            mesh = mesh_lib.with_auto_axes(user)
+            data_axes = mesh_lib.check_user_mesh(user, self.data_axes, type(self).__name__)
+        else:
+            mesh = self._build_mesh()
+            data_axes = self._data_axes(mesh)
+        return Layout(mesh, data_axes, implementation=self._implementation,
                       pack_bytes=self._pack_bytes, compress=self._compress, **self._layout_hooks(mesh))
 
     @property
@@ -271,10 +278,18 @@ class MeshStrategy(Strategy):
           axis: ``None`` reduces across replicas only; an int also reduces along that axis of each
             replica's value (``"mean"`` then averages over all those elements, the global batch mean).
 
+        As in tf: a per-example value that ``run`` returned for a ``jaxdist.Batch`` (one row per
+        example: its leading size is the replica's share of the batch) counts only the batch's
+        real rows along ``axis=0``, so a padded last batch of 13 rows in batches of 8 gives the
+        mean of its 5 real rows; and a value that is not per-replica is held by every replica, so
+        ``"sum"`` along an axis is the sum over the replicas of its sum (``[1, 2, 3]`` on 2
+        replicas: 12), while ``"sum"`` with ``axis=None`` is refused as tf refuses it.
+
         Returns:
           The nest with each per-replica value reduced to one replicated array.
         """
-        return per_replica.reduce(self.layout, op, value, axis)
+        with self.layout.mesh_context():
+            return per_replica.reduce(self.layout, op, value, axis)
 
     def gather(self, value: Any, axis: int) -> PyTree:
         """Concatenates every replica's value along ``axis`` (tf: ``Strategy.gather``).
@@ -285,9 +300,12 @@ class MeshStrategy(Strategy):
 
         Returns:
           The nest with each per-replica value replaced by the concatenation, in replica order,
-          replicated on every device (every process sees all of it).
+          replicated on every device (every process sees all of it). Along ``axis=0``, a
+          per-example value of a padded batch keeps only the real rows (as tf, whose replicas
+          get fewer rows); reading which rows are real waits for the batch's mask.
         """
-        return per_replica.gather(self.layout, value, axis)
+        with self.layout.mesh_context():
+            return per_replica.gather(self.layout, value, axis)
 
     def local_results(self, value: Any) -> tuple:
         """This process's per-replica values as a tuple (one nest per local replica, in order).
@@ -313,7 +331,72 @@ class MeshStrategy(Strategy):
         Raises:
           ValueError: with ``check=True``, naming the leaves whose replicas differ.
         """
-        return per_replica.to_mirrored(self.layout, value, check=check)
+        with self.layout.mesh_context():
+            return per_replica.to_mirrored(self.layout, value, check=check)
+
+
+class _MeshOption:
+    """The ``mesh=`` option of a strategy: given, the user's own mesh; read back, the mesh the
+    strategy runs on (``Strategy.mesh``, built lazily), so that the option does not hide it."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the dataclass default
+        return obj.layout.mesh
+
+    def __set__(self, obj, value):
+        if value is self or value is None:
+            value = None
+        elif not isinstance(value, Mesh):
+            raise TypeError(f"{type(obj).__name__}(mesh=...) expects a jax.sharding.Mesh with "
+                            "devices, such as jax.make_mesh((8,), ('data',)), got "
+                            f"{type(value).__name__}")
+        object.__setattr__(obj, "_user_mesh", value)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class UserMeshStrategy(MeshStrategy):
+    """A mesh strategy that may run on a mesh the user already has (``mesh=``, ``data_axes=``).
+
+    ``MirroredStrategy(mesh=m, data_axes=("data",))`` runs its replicas over the ``data`` axis of
+    ``m`` (``jax.make_mesh`` gives Explicit axes; Auto works too): batches are split over
+    ``data_axes``, state is replicated over them, and a state leaf the user sharded over the mesh's
+    other axes keeps that sharding, so jaxdist composes with code that shards a model axis.
+    Arrays already on ``m`` are used without a copy.
+
+    Both options are keyword-only; ``data_axes`` defaults to every axis of ``m``.
+    """
+
+    _user_mesh: Mesh | None = dataclasses.field(default=None, init=False, repr=False)
+    mesh: Mesh | None = dataclasses.field(default=_MeshOption(), kw_only=True, compare=False,
+                                          repr=False)
+    data_axes: tuple[str, ...] | str | None = dataclasses.field(default=None, kw_only=True)
+
+    def _check_mesh_options(self, devices: Any = None) -> None:
+        """Validates ``mesh=`` / ``data_axes=`` at construction (touches no device)."""
+        what = type(self).__name__
+        if self._user_mesh is None:
+            if self.data_axes is not None:
+                raise ValueError(f"{what}(data_axes={self.data_axes!r}) names axes of a mesh of "
+                                 "your own: pass it too (mesh=jax.make_mesh(...))")
+            return
+        if devices is not None:
+            raise ValueError(f"{what}: pass devices= or mesh=, not both (the mesh names its "
+                             "devices)")
+        axes = mesh_lib.check_user_mesh(self._user_mesh, self.data_axes, what)
+        object.__setattr__(self, "data_axes", axes)
+
+    # ``mesh`` (the dataclass option above) replaced ``Strategy.mesh`` on this class: reads are the
+    # same (the descriptor returns the layout's mesh), so nothing else changes.
+
+    def __repr__(self) -> str:
+        # The strategy's own options first, then the mesh options only when a mesh was given
+        # (subclasses are declared with repr=False so that this one is kept).
+        own = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+               if f.repr and f.name not in ("_user_mesh", "mesh", "data_axes")]
+        if self._user_mesh is not None:
+            own += [f"mesh={self._user_mesh!r}", f"data_axes={self.data_axes!r}"]
+        return f"{type(self).__name__}({', '.join(own)})"
 
 
 def resolve_devices(devices: Sequence[jax.Device | str] | None, what: str, *,

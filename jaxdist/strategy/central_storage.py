@@ -13,15 +13,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import mesh as mesh_lib
-from jaxdist.strategy.base import MeshStrategy, resolve_devices
+from jaxdist.strategy.base import UserMeshStrategy, resolve_devices
+from jaxdist.values import is_static_leaf
 
 logger = logging.getLogger(__name__)
 
 HOST_MEMORY = "pinned_host"
 
 
-@dataclasses.dataclass(frozen=True)
-class CentralStorageStrategy(MeshStrategy):
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
+class CentralStorageStrategy(UserMeshStrategy):
     """Synchronous data parallelism with the state held once, in host memory.
 
     Between steps the parameters and optimizer state live in host memory (``pinned_host``), one
@@ -36,11 +37,15 @@ class CentralStorageStrategy(MeshStrategy):
 
     Args:
       devices: the compute devices (default: all of this process's devices).
+      mesh: keyword-only; a mesh of your own to run on instead of ``devices`` (see
+        ``MirroredStrategy``).
+      data_axes: keyword-only; the axes of ``mesh`` the replicas span (default: all of them).
     """
 
     devices: Sequence[jax.Device] | None = None
 
     def __post_init__(self):
+        self._check_mesh_options(self.devices)
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices,
                                                                 "CentralStorageStrategy", lazy=True))
@@ -83,11 +88,14 @@ class CentralStorageStrategy(MeshStrategy):
         def central_step(state, batch):
             # Host -> devices (a gather of the partitions), compute, devices -> host. XLA:CPU and
             # GPU refuse arithmetic that mixes memory spaces, so both moves are explicit.
-            on_device = jax.tree.map(lambda x: jax.device_put(x, device), state)
+            on_device = jax.tree.map(
+                lambda x: x if is_static_leaf(x) else jax.device_put(x, device), state)
             out = fn(on_device, batch)
             if isinstance(out, tuple) and len(out) == 2 and (
                     jax.tree.structure(out[0]) == jax.tree.structure(state)):
-                new_state = jax.tree.map(lambda x: jax.device_put(x, self._leaf_sharding(x)), out[0])
+                new_state = jax.tree.map(
+                    lambda x: x if is_static_leaf(x) else jax.device_put(x, self._leaf_sharding(x)),
+                    out[0])
                 return new_state, out[1]
             return out
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jaxdist import collectives
 from jaxdist import mesh as mesh_lib
 from jaxdist import zero
-from jaxdist.strategy.base import MeshStrategy, resolve_devices
+from jaxdist.strategy.base import MeshStrategy, UserMeshStrategy, resolve_devices
 
 
 ALIASES = {"auto": "xla", "nccl": "xla"}
@@ -53,7 +53,17 @@ class _CrossDeviceOptions:
             logger.warning("cross_device_ops='nccl' on %s devices: NCCL needs GPUs, so XLA's own "
                            "all-reduce is used (the same numbers)", "/".join(sorted(platforms)))
         hooks = super()._layout_hooks(mesh)
-        hooks.update(zero.layout_hooks(mesh, self._data_axes(mesh), self.zero_stage))
+        data_axes = self._data_axes(mesh)
+        others = [a for a in mesh.axis_names if a not in data_axes and mesh.shape[a] > 1]
+        if self.zero_stage and others:
+            # ZeRO's rule places each leaf on the data axes only; a leaf the user sharded over
+            # their own axes would silently lose that layout, so the two are not combined yet.
+            raise ValueError(
+                f"{type(self).__name__}(zero_stage={self.zero_stage}) on a mesh with axes "
+                f"{others} besides data_axes={data_axes}: sharded state does not yet compose with "
+                "your own model-axis shardings. Use zero_stage=0 on this mesh, or a mesh whose "
+                "axes all carry replicas.")
+        hooks.update(zero.layout_hooks(mesh, data_axes, self.zero_stage))
         return hooks
 
     @property
@@ -65,8 +75,8 @@ class _CrossDeviceOptions:
         return self.compress
 
 
-@dataclasses.dataclass(frozen=True)
-class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
+@dataclasses.dataclass(frozen=True, repr=False)  # UserMeshStrategy's repr
+class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     """Synchronous data parallelism over the local devices (``tf.distribute.MirroredStrategy``).
 
     State is replicated on every device; each step's global batch is split over them; gradients are
@@ -84,15 +94,24 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
         ``1`` optimizer state sharded, ``2`` gradients reduce-scattered too, ``3`` parameters
         sharded too (see ``jaxdist.zero`` and the sharded-state guide). Global view only
         (``step``, ``@jaxdist.mirrored``, ``fit``); the numbers do not change.
+      mesh: keyword-only; a ``jax.sharding.Mesh`` of your own to run on instead of ``devices``
+        (Explicit axes, as ``jax.make_mesh`` gives, or Auto). Arrays already on it are used
+        without a copy.
+      data_axes: keyword-only; the axes of ``mesh`` that carry the replicas (default: all of
+        them). State leaves you sharded over the mesh's other axes keep their sharding.
 
     Raises:
-      ValueError: an unknown ``cross_device_ops`` or ``zero_stage``, or invalid packing options.
+      ValueError: an unknown ``cross_device_ops`` or ``zero_stage``, invalid packing options,
+        ``devices`` and ``mesh`` both given, or ``data_axes`` that the mesh lacks.
 
     >>> import jax, jaxdist
     >>> jaxdist.MirroredStrategy(jax.devices()[:1]).num_replicas_in_sync
     1
     >>> jaxdist.MirroredStrategy(jax.devices()[:2], zero_stage=1).zero_stage
     1
+    >>> m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    >>> jaxdist.MirroredStrategy(mesh=m, data_axes=("data",)).num_replicas_in_sync
+    2
     """
 
     devices: Sequence[jax.Device] | None = None
@@ -102,6 +121,7 @@ class MirroredStrategy(_CrossDeviceOptions, MeshStrategy):
     zero_stage: int = 0
 
     def __post_init__(self):
+        self._check_mesh_options(self.devices)
         if self.devices is not None:
             object.__setattr__(self, "devices", resolve_devices(self.devices, "MirroredStrategy",
                                                                 lazy=True))
