@@ -135,7 +135,7 @@ class ZeroShardings:
     def __init__(self, mesh: Mesh, data_axes: tuple[str, ...], stage: int, *,
                  min_bytes: int = MIN_SHARD_BYTES):
         self.mesh, self.data_axes, self.stage, self.min_bytes = mesh, tuple(data_axes), stage, min_bytes
-        self.num_shards = int(mesh.devices.size)
+        self.num_shards = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.replicated = NamedSharding(mesh, jax.P())
         self._by_dim: dict[tuple[int, int], NamedSharding] = {}
         self._cache: dict[Any, list] = {}

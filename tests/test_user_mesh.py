@@ -171,7 +171,8 @@ def test_mesh_option_errors():
     assert jaxdist.MirroredStrategy(jax.devices()[:2], "ring").cross_device_ops == "ring"
     assert jaxdist.MirroredStrategy().mesh.axis_names == ("data",)
     assert repr(jaxdist.MirroredStrategy()) == (
-        "MirroredStrategy(devices=None, cross_device_ops='xla', pack_bytes=None, compress=None)")
+        "MirroredStrategy(devices=None, cross_device_ops='xla', pack_bytes=None, compress=None, "
+        "zero_stage=0)")
     assert repr(jaxdist.MirroredStrategy(mesh=mesh)).endswith(f"mesh={mesh!r}, data_axes=('data',))")
 
 

@@ -305,3 +305,13 @@ def test_a_state_without_opt_state_is_named_in_a_warning(caplog):
         placed = s.put((jnp.ones((64, 256)), (jnp.ones((64, 256)),)))  # (params, opt) as a tuple
     assert "no leaf under a key or attribute named 'opt_state'" in caplog.text
     assert placed[1][0].sharding.spec == jax.P()  # replicated, as the warning says
+
+
+def test_zero_stage_on_a_user_mesh_with_a_model_axis_is_refused_by_name():
+    # ZeRO places leaves on the data axes only: a user's model-axis layout would be lost silently.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+    strategy = jaxdist.MirroredStrategy(mesh=mesh, data_axes=("data",), zero_stage=1)
+    with pytest.raises(ValueError, match=r"zero_stage=1.*\['model'\].*zero_stage=0"):
+        strategy.put({"params": jnp.ones((64, 64)), "opt_state": jnp.ones((64, 64))})
+    ok = jaxdist.MirroredStrategy(mesh=mesh, data_axes=("data",))
+    assert ok.put({"w": jnp.ones(8)})["w"].shape == (8,)

@@ -86,7 +86,7 @@ class MeshStrategy(Strategy):
     def _data_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return tuple(mesh.axis_names)
 
-    def _layout_hooks(self, mesh: Mesh) -> dict[str, Any]:
+    def _layout_hooks(self, mesh: Mesh, data_axes: tuple[str, ...]) -> dict[str, Any]:
         """Where state lives between steps and how a step is adapted to it (mirrored: defaults)."""
         return {}
 
@@ -102,7 +102,8 @@ class MeshStrategy(Strategy):
             mesh = self._build_mesh()
             data_axes = self._data_axes(mesh)
         return Layout(mesh, data_axes, implementation=self._implementation,
-                      pack_bytes=self._pack_bytes, compress=self._compress, **self._layout_hooks(mesh))
+                      pack_bytes=self._pack_bytes, compress=self._compress,
+                      **self._layout_hooks(mesh, data_axes))
 
     @property
     def mesh(self) -> Mesh:

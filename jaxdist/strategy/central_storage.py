@@ -72,7 +72,7 @@ class CentralStorageStrategy(UserMeshStrategy):
         return {True: NamedSharding(self.mesh, jax.P(self.layout.data_axes), memory_kind=kind),
                 False: NamedSharding(self.mesh, jax.P(), memory_kind=kind)}
 
-    def _layout_hooks(self, mesh: Mesh) -> dict[str, Any]:
+    def _layout_hooks(self, mesh: Mesh, data_axes: tuple[str, ...]) -> dict[str, Any]:
         return {"state_sharding": self._leaf_sharding, "adapt_step": self._wrap_step}
 
     def _leaf_sharding(self, leaf: Any) -> jax.sharding.Sharding:

@@ -47,13 +47,12 @@ class _CrossDeviceOptions:
     def _implementation(self) -> str:
         return ALIASES.get(self.cross_device_ops, self.cross_device_ops)
 
-    def _layout_hooks(self, mesh: Mesh) -> dict:
+    def _layout_hooks(self, mesh: Mesh, data_axes: tuple[str, ...]) -> dict:
         platforms = {d.platform for d in mesh.devices.flat}
         if self.cross_device_ops == "nccl" and platforms != {"gpu"}:
             logger.warning("cross_device_ops='nccl' on %s devices: NCCL needs GPUs, so XLA's own "
                            "all-reduce is used (the same numbers)", "/".join(sorted(platforms)))
-        hooks = super()._layout_hooks(mesh)
-        data_axes = self._data_axes(mesh)
+        hooks = super()._layout_hooks(mesh, data_axes)
         others = [a for a in mesh.axis_names if a not in data_axes and mesh.shape[a] > 1]
         if self.zero_stage and others:
             # ZeRO's rule places each leaf on the data axes only; a leaf the user sharded over
