@@ -100,6 +100,10 @@ class HangDetector:
         median = statistics.median(self._intervals[-200:])
         return min(DEFAULT_CAP_S, max(DEFAULT_FLOOR_S, DEFAULT_MULTIPLE * median))
 
+    def median_step_s(self) -> float | None:
+        """The median time between completed steps so far (None before two steps)."""
+        return statistics.median(self._intervals[-200:]) if self._intervals else None
+
     def last_steps(self) -> dict[int, int | None]:
         """Each rank's last completed step this attempt."""
         return dict(self._last)

@@ -81,6 +81,10 @@ class _Options:
     num_workers: int = 0
     hang_timeout_s: float | None = None
     init_timeout_s: float | None = None
+    nnodes: tuple[int, int] | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "jaxdist"
+    rdzv_timeout_s: float = 120.0
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -104,6 +108,11 @@ class _Options:
               "> 0 seconds")
         check("init_timeout_s", self.init_timeout_s is None or self.init_timeout_s > 0,
               "> 0 seconds")
+        check("rdzv_endpoint", (self.nnodes is None) == (self.rdzv_endpoint is None),
+              "HOST:PORT together with --nnodes (and only with it)")
+        check("rdzv_id", bool(self.rdzv_id) and "/" not in self.rdzv_id,
+              "a non-empty name without '/'")
+        check("rdzv_timeout_s", self.rdzv_timeout_s > 0, "> 0 seconds")
 
 
 def free_ports(n: int) -> list[int]:
@@ -206,6 +215,13 @@ class _Launcher:
                 reaper.kill_tagged(self._token)
         self._state_dir = _make_state_dir()
         try:
+            if options.nnodes is not None:
+                from jaxdist.elastic import Agent
+
+                return Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
+                             rdzv_id=options.rdzv_id, nproc=options.num_processes,
+                             max_restarts=options.max_restarts,
+                             rdzv_timeout_s=options.rdzv_timeout_s).run()
             return self._run_spmd(deadline)
         finally:
             reaper.kill_tagged(self._token)
@@ -427,7 +443,9 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
         max_restarts: int = 0, port: int | None = None, timeout_s: float | None = None,
         grace_period_s: float = 20.0, env: Mapping[str, str] | None = None,
         cwd: str | None = None, num_ps: int = 0, num_workers: int = 0,
-        hang_timeout_s: float | None = None, init_timeout_s: float | None = None) -> LaunchResult:
+        hang_timeout_s: float | None = None, init_timeout_s: float | None = None,
+        nnodes: tuple[int, int] | None = None, rdzv_endpoint: str | None = None,
+        rdzv_id: str = "jaxdist", rdzv_timeout_s: float = 120.0) -> LaunchResult:
     """Runs a script as N local processes of one job and collects their output.
 
     Args:
@@ -450,6 +468,11 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
         (see ``jaxdist.hang``).
       init_timeout_s: how long ``jaxdist.initialize()`` waits for every process to join
         (``JAXDIST_INIT_TIMEOUT``; default 300 s).
+      nnodes: ``(MIN, MAX)``: run as this host's elastic agent (``jaxdist.elastic``), with
+        ``num_processes`` processes here; the job runs on MIN to MAX hosts.
+      rdzv_endpoint: ``HOST:PORT`` of the rendezvous store (served by the agent that can bind it).
+      rdzv_id: the job's name in the store.
+      rdzv_timeout_s: how long an agent waits for MIN agents before it exits.
 
     Returns:
       A `LaunchResult`.
@@ -462,7 +485,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
     (0, ['', '[0] hi', '[1] hi'])
     """
     options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
-                       grace_period_s, num_ps, num_workers, hang_timeout_s, init_timeout_s)
+                       grace_period_s, num_ps, num_workers, hang_timeout_s, init_timeout_s,
+                       nnodes, rdzv_endpoint, rdzv_id, rdzv_timeout_s)
     lines: list[bytes] = []
     lock = threading.Lock()
 
@@ -477,7 +501,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
 
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
                   "--timeout", "--grace-period", "--ps", "--workers", "--hang-timeout",
-                  "--init-timeout"}
+                  "--init-timeout", "--nnodes", "--rdzv-endpoint", "--rdzv-id",
+                  "--rdzv-timeout"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -537,6 +562,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-timeout", type=float, metavar="SECONDS",
                         help="how long jaxdist.initialize() waits for all processes to join "
                              "(default 300)")
+    parser.add_argument("--nnodes", metavar="MIN:MAX",
+                        help="elastic job: run this host's agent; the job runs on MIN to MAX "
+                             "hosts (with --rdzv-endpoint)")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="the rendezvous store (the agent that can bind it serves it)")
+    parser.add_argument("--rdzv-id", default="jaxdist", metavar="JOB",
+                        help="the job's name in the rendezvous store")
+    parser.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="how long an agent waits for MIN agents to register")
     return parser
 
 
@@ -552,9 +586,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("expected -n N (an SPMD job) or --ps P --workers W (a parameter-server "
                      "job)")
     try:
+        nnodes = None
+        if args.nnodes is not None:
+            from jaxdist.elastic import parse_nnodes
+
+            nnodes = parse_nnodes(args.nnodes)
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
                            args.port, args.timeout, args.grace_period, args.ps or 0,
-                           args.workers or 0, args.hang_timeout, args.init_timeout)
+                           args.workers or 0, args.hang_timeout, args.init_timeout,
+                           nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout)
     except ValueError as e:
         parser.error(str(e))
     lock = threading.Lock()

@@ -185,6 +185,28 @@ class StateTier:
         self._queue.put((int(step), _copy_tree(state),
                          None if data_state is None else dict(data_state)))
 
+    def stop_step(self) -> int | None:
+        """The step at which the elastic agent asked the job to stop (to re-form), or None.
+
+        The agent writes it to ``<dir>/stop``; every process reads it after each step (a
+        ``stat``, plus a read when it changes).
+        """
+        if self.directory is None:
+            return None
+        path = os.path.join(self.directory, "stop")
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError:
+            return None
+        if mtime != getattr(self, "_stop_mtime", None):
+            try:
+                with open(path, "rb") as f:
+                    self._stop_step = int(f.read())
+            except (OSError, ValueError):
+                return None
+            self._stop_mtime = mtime
+        return self._stop_step
+
     def flush(self) -> None:
         """Waits until the newest snapshot is written."""
         self._written.wait()

@@ -257,6 +257,17 @@ class BackupAndRestore(ModelCheckpoint):
         super().on_train_batch_end(info)
         self.memory.save(info.step, info.state,
                          info.iterator.state() if info.iterator is not None else None)
+        stop = self.memory.stop_step()
+        if stop is not None and info.step >= stop:
+            if info.step > stop:
+                raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
+                                   f"{info.step}; handled as a failure (resumes from memory)")
+            # Every process stops here (the elastic agents agreed on the step): the job re-forms.
+            logger.info("stopping at step %d to re-form the job", stop)
+            self.memory.flush()
+            self._save(info)
+            self.manager.wait_until_finished()
+            raise TrainingPreempted(0)
         if self._notice.reached(info.step):
             self._save(info)
             self.manager.wait_until_finished()

@@ -10,6 +10,7 @@ The backup period is longer than the run, so only the in-memory tier can save wo
 import argparse
 import os
 import signal
+import time
 
 import jaxdist
 
@@ -26,6 +27,8 @@ ap.add_argument("--fault", default="none")
 ap.add_argument("--rank", type=int, default=1)
 ap.add_argument("--at", type=int, default=5)
 ap.add_argument("--epochs", type=int, default=2)
+ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an outside actor "
+                "can then act at a chosen step)")
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 me = jax.process_index()
@@ -33,6 +36,7 @@ me = jax.process_index()
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
+        time.sleep(args.sleep)
         if me == 0:
             print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
                   flush=True)
