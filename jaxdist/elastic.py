@@ -18,7 +18,9 @@ follow from that order, and every agent starts its K processes. A round ends whe
   over the network: no step is lost;
 * every process has finished: the job is done.
 
-If fewer than MIN agents register within ``--rdzv-timeout`` seconds, the agents exit: 0 when the
+The first round closes when MAX agents have registered, or ``--rdzv-last-call`` seconds after
+the first registration with at least MIN (torchrun's "last call"). If fewer than MIN agents are
+alive for ``--rdzv-timeout`` seconds, the agents exit: 0 when the
 last round ended cleanly (the state is in the persistent backup), 1 after a failure.
 
 Losing the rendezvous host (the agent serving the store) ends the job: the other agents cannot
@@ -46,7 +48,6 @@ HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
 _SETTLE_S = 0.5           # close a round this long after the last registration, all present
 _DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
-_LAST_CALL_S = 5.0        # the first round waits this long for more agents (up to MAX)
 
 
 def _local_address(host: str, port: int) -> str:
@@ -64,13 +65,14 @@ class Agent:
 
     def __init__(self, launcher: Any, *, nnodes: tuple[int, int], endpoint: str,
                  rdzv_id: str, nproc: int, max_restarts: int, rdzv_timeout_s: float,
-                 host_timeout_s: float = HOST_TIMEOUT_S):
+                 host_timeout_s: float = HOST_TIMEOUT_S, last_call_s: float = 10.0):
         self.l = launcher
         self.min, self.max = nnodes
         self.nproc = nproc
         self.max_restarts = max_restarts
         self.rdzv_timeout_s = rdzv_timeout_s
         self.host_timeout_s = host_timeout_s
+        self.last_call_s = last_call_s
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
@@ -116,8 +118,6 @@ class Agent:
             except RendezvousError:
                 continue
             ready = {k: v for k, (v, _) in regs.items() if k in alive and k not in leaving}
-            if os.environ.get("JAXDIST_DEBUG_RDZV"):
-                self.say(f"closer: round {n} regs {regs} alive {alive} leaving {leaving}")
             if len(ready) < self.min:
                 continue
             newest = min(age for _, age in regs.values())
@@ -125,7 +125,7 @@ class Agent:
             missing = alive - set(ready) - leaving
             # The first round also waits a little for agents still starting (torchrun's last call).
             if len(ready) >= self.max or (newest > _SETTLE_S and not missing
-                                          and (n > 0 or oldest > _LAST_CALL_S)):
+                                          and (n > 0 or oldest > self.last_call_s)):
                 order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
                 self.store.set(f"r{n}/final", [[k, ready[k]] for k in order])
                 self.store.set("open", n + 1)
@@ -136,7 +136,7 @@ class Agent:
         """Runs rounds until the job is done, this agent leaves, or too few agents remain."""
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
-        self.store.set_if_absent("open", 0)
+        self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
         threads = [threading.Thread(target=self._beat, daemon=True)]
         if self.server is not None:
             threads.append(threading.Thread(target=self._close_rounds, daemon=True))
@@ -299,7 +299,8 @@ class Agent:
             if done:
                 continue  # another host's processes finished: ours are finishing too
             if failed:
-                self.say(f"round {n} ended by a failure elsewhere: {failed}")
+                self.say(f"round {n} ended by a failure elsewhere: {failed}; last completed "
+                         f"step per local rank {detector.last_steps()}")
                 return "failed", 1
             lost = [k for k in ids if k != self.id and k not in leaving
                     and alive.get(k, math.inf) > self.host_timeout_s]

@@ -85,6 +85,7 @@ class _Options:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "jaxdist"
     rdzv_timeout_s: float = 120.0
+    rdzv_last_call_s: float = 10.0
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -213,7 +214,11 @@ class _Launcher:
                 return self._run_ps_job(deadline)
             finally:
                 reaper.kill_tagged(self._token)
-        self._state_dir = _make_state_dir()
+        # JAXDIST_MEMORY_TIER=0 turns the in-memory tier off (what restarts cost without it).
+        if self._env.get("JAXDIST_MEMORY_TIER", "1") != "0":
+            self._state_dir = _make_state_dir()
+        elif options.nnodes is not None:
+            raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
         try:
             if options.nnodes is not None:
                 from jaxdist.elastic import Agent
@@ -221,11 +226,13 @@ class _Launcher:
                 return Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
                              rdzv_id=options.rdzv_id, nproc=options.num_processes,
                              max_restarts=options.max_restarts,
-                             rdzv_timeout_s=options.rdzv_timeout_s).run()
+                             rdzv_timeout_s=options.rdzv_timeout_s,
+                             last_call_s=options.rdzv_last_call_s).run()
             return self._run_spmd(deadline)
         finally:
             reaper.kill_tagged(self._token)
-            shutil.rmtree(self._state_dir, ignore_errors=True)
+            if self._state_dir is not None:
+                shutil.rmtree(self._state_dir, ignore_errors=True)
 
     def _run_spmd(self, deadline: float | None) -> int:
         options = self._options
@@ -247,6 +254,7 @@ class _Launcher:
         env = dict(self._env)
         env.update(extra)
         env[ENV_RESTART_COUNT] = str(attempt)
+        env.pop(ENV_STATE_DIR, None)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
             # Restarts (and later jobs, when the user names a directory) skip compilation.
@@ -280,7 +288,7 @@ class _Launcher:
         procs: list[subprocess.Popen] = []
         readers: list[threading.Thread] = []
         try:
-            for rank in range(n):
+            for rank in range(n if self._state_dir is not None else 0):
                 try:  # a heartbeat of the previous attempt must not count for this one
                     os.remove(heartbeat_path(self._state_dir, rank))
                 except FileNotFoundError:
@@ -368,7 +376,8 @@ class _Launcher:
 
     def _supervise(self, procs: list[subprocess.Popen],
                    deadline: float | None) -> tuple[int, str | None]:
-        detector = HangDetector(self._state_dir, {r: p.pid for r, p in enumerate(procs)},
+        detector = HangDetector(self._state_dir or "/nonexistent",
+                                {r: p.pid for r, p in enumerate(procs)},
                                 timeout_s=self._options.hang_timeout_s)
         host = socket.gethostname()
         next_check = 0.0
@@ -445,7 +454,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
         cwd: str | None = None, num_ps: int = 0, num_workers: int = 0,
         hang_timeout_s: float | None = None, init_timeout_s: float | None = None,
         nnodes: tuple[int, int] | None = None, rdzv_endpoint: str | None = None,
-        rdzv_id: str = "jaxdist", rdzv_timeout_s: float = 120.0) -> LaunchResult:
+        rdzv_id: str = "jaxdist", rdzv_timeout_s: float = 120.0,
+        rdzv_last_call_s: float = 10.0) -> LaunchResult:
     """Runs a script as N local processes of one job and collects their output.
 
     Args:
@@ -473,6 +483,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
       rdzv_endpoint: ``HOST:PORT`` of the rendezvous store (served by the agent that can bind it).
       rdzv_id: the job's name in the store.
       rdzv_timeout_s: how long an agent waits for MIN agents before it exits.
+      rdzv_last_call_s: the first round closes this long after the first registration (or
+        at once with MAX agents).
 
     Returns:
       A `LaunchResult`.
@@ -486,7 +498,7 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
     """
     options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
                        grace_period_s, num_ps, num_workers, hang_timeout_s, init_timeout_s,
-                       nnodes, rdzv_endpoint, rdzv_id, rdzv_timeout_s)
+                       nnodes, rdzv_endpoint, rdzv_id, rdzv_timeout_s, rdzv_last_call_s)
     lines: list[bytes] = []
     lock = threading.Lock()
 
@@ -502,7 +514,7 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
                   "--timeout", "--grace-period", "--ps", "--workers", "--hang-timeout",
                   "--init-timeout", "--nnodes", "--rdzv-endpoint", "--rdzv-id",
-                  "--rdzv-timeout"}
+                  "--rdzv-timeout", "--rdzv-last-call"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -571,6 +583,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the job's name in the rendezvous store")
     parser.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="how long an agent waits for MIN agents to register")
+    parser.add_argument("--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
+                        help="the first round closes this long after the first agent "
+                             "registered (at once when MAX have)")
     return parser
 
 
@@ -594,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
                            args.port, args.timeout, args.grace_period, args.ps or 0,
                            args.workers or 0, args.hang_timeout, args.init_timeout,
-                           nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout)
+                           nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout,
+                           args.rdzv_last_call)
     except ValueError as e:
         parser.error(str(e))
     lock = threading.Lock()

@@ -112,12 +112,12 @@ class RendezvousClient:
             ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stubs: dict[str, Any] = {}
 
-    def _call(self, method: str, **req) -> Any:
+    def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
         if method not in self._stubs:
             self._stubs[method] = self._channel.unary_unary(f"/{_SERVICE}/{method}")
         try:
-            reply = self._stubs[method](json.dumps(req).encode(), timeout=self._timeout,
-                                        wait_for_ready=True)
+            reply = self._stubs[method](json.dumps(req).encode(),
+                                        timeout=timeout_s or self._timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
                                   f"{e.code().name}: {e.details()}") from None
@@ -127,9 +127,10 @@ class RendezvousClient:
         """Sets ``key`` (JSON-serialisable value)."""
         self._call("set", key=self._prefix + key, value=value)
 
-    def set_if_absent(self, key: str, value: Any) -> Any:
-        """Sets ``key`` unless it exists; returns the value it holds afterwards."""
-        return self._call("set_if_absent", key=self._prefix + key, value=value)
+    def set_if_absent(self, key: str, value: Any, *, timeout_s: float | None = None) -> Any:
+        """Sets ``key`` unless it exists; returns the value it holds afterwards (waiting up to
+        ``timeout_s`` for the store to come up)."""
+        return self._call("set_if_absent", timeout_s, key=self._prefix + key, value=value)
 
     def get(self, key: str) -> Any:
         """The value of ``key``, or None."""

@@ -34,12 +34,18 @@ attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 me = jax.process_index()
 
 
-class Fault(jaxdist.callbacks.Callback):
+class Report(jaxdist.callbacks.Callback):
+    """First in the list: a step at which BackupAndRestore stops the job is reported too."""
+
     def on_train_batch_end(self, info):
         time.sleep(args.sleep)
         if me == 0:
             print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
                   flush=True)
+
+
+class Fault(jaxdist.callbacks.Callback):
+    def on_train_batch_end(self, info):
         if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
@@ -53,7 +59,7 @@ state = models.create_train_state(models.MLP(hidden=(32,)), x[:1], seed=1)
 backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
 history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                       strategy.distribute((x, y), 96, shuffle=True, seed=5),
-                      epochs=args.epochs, callbacks=[backup, Fault()], verbose=0)
+                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0)
 if me == 0:
     print(f"attempt {attempt} resumed from {backup.restored_from} step {backup.restored_step}",
           flush=True)
