@@ -17,8 +17,11 @@ shared by the agents (as a job's cache directory would be). Each scenario acts a
   restarts from the last persistent backup (step 0 here, as the first backup is at step 8).
 
 "Seconds to the next step" runs from the failure (the fault's own timestamp, or the signal sent)
-to the first step after it that completes on rank 0 (its callback, which runs once the previous
-step's state is written: an upper bound on completion by < 1 step). A steps-per-second
+to the first step of the re-formed job on rank 0 (its callback; the state of the step before it
+is then written). It includes detection (a dead process: at once; a lost host: <= 3 s; a hang:
+the hang timeout), stopping the old processes, the rendezvous, starting Python and JAX, the
+resume, and compiling (from the persistent cache where there is one). For SIGTERM and a joining
+host it includes running on to the agreed stop step (about one second of steps ahead). A steps-per-second
 slowdown (``--sleep``, 0.1 s per step) lets the driver act at a chosen step.
 
 ``--worker`` is the training script itself.
@@ -142,11 +145,14 @@ class Job:
         stopped = [int(s) for s in re.findall(r"(?:stopped at|left the job at) step (\d+)",
                                                self.text())]
         faults = [int(s) for s in re.findall(r"fault \w+ t=[\d.]+ step (\d+)", self.text())]
-        before = max(done + stopped + faults)
+        before = max(done + stopped + faults, default=0)
         if failure_t is None:
             failure_t = float(re.search(r"fault \w+ t=([\d.]+)", self.text())[1])
+        # the first step of the re-formed job (after the agent's next round / the restart)
+        marker = re.search(r"\] round 1: |restarting the group", out)
         after = [(int(s), float(t)) for s, t in
-                 re.findall(r"trained step (\d+) t=([\d.]+)", out) if float(t) > failure_t]
+                 re.findall(r"trained step (\d+) t=([\d.]+)", out[marker.end():] if marker
+                            else "")]
         recovery = after[0][1] - failure_t if after else float("nan")
         with np.load(os.path.join(self.dir, "out.npz")) as f:
             params = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
