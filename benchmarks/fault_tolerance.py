@@ -12,6 +12,7 @@ shared by the agents (as a job's cache directory would be). Each scenario acts a
 * SIGSTOP of one process (a hang; ``--hang-timeout 5``);
 * SIGTERM to an agent (a preemption notice: its host leaves at an agreed step);
 * a host joining (2 agents running, a third started at step 4);
+* the same SIGKILL under the single-host launcher (``jaxdist launch -n 3``, no rendezvous);
 * today's restart-all for comparison: ``jaxdist launch -n 3`` with the in-memory tier off
   (``JAXDIST_MEMORY_TIER=0``) and no compilation cache, rank 1 SIGKILLed at step 6; the group
   restarts from the last persistent backup (step 0 here, as the first backup is at step 8).
@@ -21,7 +22,7 @@ to the first step of the re-formed job on rank 0 (its callback; the state of the
 is then written). It includes detection (a dead process: at once; a lost host: <= 3 s; a hang:
 the hang timeout), stopping the old processes, the rendezvous, starting Python and JAX, the
 resume, and compiling (from the persistent cache where there is one). For SIGTERM and a joining
-host it includes running on to the agreed stop step (about one second of steps ahead). A steps-per-second
+host it includes running on to the agreed stop step (about one second of steps ahead). A
 slowdown (``--sleep``, 0.1 s per step) lets the driver act at a chosen step.
 
 ``--worker`` is the training script itself.
@@ -77,6 +78,47 @@ def worker(args) -> None:
     if me == 0:
         print(f"resumed from {backup.restored_from} step {backup.restored_step}", flush=True)
         np.savez(args.out, *jax.tree.leaves(jax.device_get(history.state.params)))
+
+
+_OVERHEAD = """
+import os, sys, tempfile, time
+import jax, jaxdist
+from jaxdist import models
+(x, y), _ = jaxdist.datasets.digits()
+strategy = jaxdist.MirroredStrategy()
+data = strategy.distribute((x, y), 96, shuffle=True, seed=5)
+step = strategy.step(models.classifier_train_step)
+def run(epochs):
+    state = models.create_train_state(models.MLP(), x[:1], seed=1)
+    backup = jaxdist.callbacks.BackupAndRestore(tempfile.mkdtemp(), every_n_steps=10**6)
+    t = time.perf_counter()
+    h = jaxdist.fit(step, state, data, epochs=epochs, callbacks=[backup], verbose=0)
+    jax.block_until_ready(h.state)
+    return time.perf_counter() - t
+run(1)  # compile
+steps = len(data) * int(sys.argv[1])
+print(steps / run(int(sys.argv[1])))
+"""
+
+
+def overhead(repeats: int = 5, epochs: int = 6) -> tuple[float, float]:
+    """Median steps/s of ``fit`` + ``BackupAndRestore`` with the memory tier off and on (one
+    process, 2 devices, the README MLP, batch 96), runs interleaved."""
+    import statistics
+    import subprocess as sp
+
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for on in (False, True):
+            env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="2")
+            env.pop("JAXDIST_STATE_DIR", None)
+            if on:
+                env["JAXDIST_STATE_DIR"] = tempfile.mkdtemp(dir="/dev/shm" if
+                                                            os.path.isdir("/dev/shm") else None)
+            out = sp.run([sys.executable, "-c", _OVERHEAD, str(epochs)], env=env,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+            rates[on].append(float(out.split()[-1]))
+    return statistics.median(rates[False]), statistics.median(rates[True])
 
 
 def _free_port() -> int:
@@ -171,11 +213,17 @@ def main():
     ap.add_argument("--at", type=int, default=6)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--sleep", type=float, default=0.1)
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only measure the in-memory tier's cost per step")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "fault_tolerance.md"))
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.overhead_only:
+        off, on = overhead()
+        print(f"fit steps/s, memory tier off {off:.1f}, on {on:.1f} ({on / off - 1:+.1%})")
+        return
 
     tmp = tempfile.mkdtemp(prefix="jaxdist-ft-bench-")
     cache = os.path.join(tmp, "xla-cache")
@@ -230,6 +278,14 @@ def main():
     assert job.finish() == [0, 0, 0], job.text()[-3000:]
     rows.append(("a host joining (2 -> 3 hosts)", job.result(t, reference)))
 
+    print("single-host launcher, SIGKILL of one process ...", flush=True)
+    job = Job(tmp, "single-host", cache)
+    job.start(["-n", "3", "--devices-per-process", "2", "--max-restarts", "1"],
+              "--fault", "kill")
+    assert job.finish() == [0], job.text()[-3000:]
+    rows.append(("single host, `jaxdist launch -n 3`: SIGKILL of one process",
+                 job.result(None, reference)))
+
     print("today's restart-all ...", flush=True)
     job = Job(tmp, "restart-all", None, {"JAXDIST_MEMORY_TIER": "0"})
     job.start(["-n", "3", "--devices-per-process", "2", "--max-restarts", "1"],
@@ -244,6 +300,10 @@ def main():
         lines.append(f"| {name} | {r['lost']} | {r['resumed']} | {r['recovery']:.1f} | "
                      f"{r['diff']:.1e} |")
     table = "\n".join(lines)
+    off, on = overhead()
+    table += (f"\n\nCost of the in-memory tier in steady state (one process, 2 devices, same "
+              f"MLP, batch 96, `fit` + `BackupAndRestore`, median of 5 interleaved runs): "
+              f"{off:.1f} steps/s without, {on:.1f} with ({on / off - 1:+.1%}).")
     print(table)
     if args.results:
         with open(args.results, "w") as f:

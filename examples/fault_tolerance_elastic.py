@@ -120,8 +120,8 @@ def main():
         codes = [a.wait(timeout=600) for a in agents]
         text = "".join(open(p).read() for p in logs)
         for line in text.splitlines():
-            if re.search(r"\] (round \d+:|round \d+ (failed|ended)|a host joins|stopped at)", line) \
-                    or "resumed from" in line:
+            pattern = r"\] (round \d+:|round \d+ (failed|ended)|a host joins|stopped at)"
+            if re.search(pattern, line) or "resumed from" in line:
                 print(line)
         if codes[:2] != [0, 0] or codes[3] != 0:
             sys.exit(f"agents exited with {codes}:\n{text[-3000:]}")

@@ -147,6 +147,10 @@ class Agent:
             while True:
                 joined = self._join()
                 if joined is None:
+                    if self.l._signal is not None:
+                        self.say(f"received {signal.Signals(self.l._signal).name} between "
+                                 "rounds; leaving")
+                        return 0 if clean else 128 + self.l._signal
                     if self.store.get("done"):
                         return 0
                     self.say(f"fewer than {self.min} agents registered within "

@@ -1,4 +1,4 @@
-"""The in-memory state tier: the last completed steps' state kept where a restarted process finds it.
+"""The in-memory state tier: the newest completed steps' state, where a restarted process finds it.
 
 Under ``jaxdist launch`` every process gets ``JAXDIST_STATE_DIR``, a host-local directory in
 shared memory (``/dev/shm`` where it exists) that outlives the processes but not the launcher.
@@ -288,6 +288,12 @@ class StateTier:
         if best < 0:
             return None
         source = int(np.argmax(steps))
+        if bool(np.all(steps == best)):  # every process holds it: no broadcast needed
+            _, leaves, data = loaded
+            state = jax.tree.unflatten(treedef, list(leaves))
+            state = strategy.put(state) if strategy is not None else _like(state, target)
+            logger.info("resuming from step %d held in memory by every process", best)
+            return Snapshot(best, state, data, jax.process_index())
         is_source = jax.process_index() == source
         if is_source:
             _, leaves, data = loaded

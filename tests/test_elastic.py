@@ -81,11 +81,3 @@ def test_a_stopped_process_is_declared_hung_and_recovered(tmp_path, reference):
                      result.output), result.output
     _check_recovery(result, params, reference, 6)
 
-
-def test_without_restarts_a_hang_ends_the_job_with_its_own_code(tmp_path):
-    result = launch.run([SCRIPT, str(tmp_path / "o.npz"), str(tmp_path / "b"), "--fault",
-                         "stop", "--at", "2"], num_processes=2, devices_per_process=1,
-                        timeout_s=240, hang_timeout_s=3, env=_env())
-    assert result.returncode == launch.EXIT_HUNG, result.output
-    assert "job failed: rank(s) [0, 1] hung" in result.output or \
-        "job failed: rank(s) [1] hung" in result.output, result.output

@@ -1,4 +1,4 @@
-"""A fault-tolerance test job: the README MLP on digits with BackupAndRestore, and one injected fault.
+"""A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
 
     ft_train.py OUT BACKUP [--fault kill|stop|none] [--rank R] [--at STEP] [--epochs E]
 
