@@ -49,11 +49,12 @@ def reference(tmp_path_factory):
 class Hosts:
     """Agents of one job, each with its log file; the first serves the rendezvous store."""
 
-    def __init__(self, tmp, nnodes="2:3", last_call=10):
+    def __init__(self, tmp, nnodes="2:3", last_call=10, rdzv_timeout=20):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.tmp, self.nnodes, self.last_call = tmp, nnodes, last_call
+        self.rdzv_timeout = rdzv_timeout
         self.agents: list[subprocess.Popen] = []
         self.logs: list[pathlib.Path] = []
 
@@ -62,7 +63,7 @@ class Hosts:
         log = self.tmp / f"agent{i}.log"
         cmd = [sys.executable, "-m", "jaxdist.launch", "--nnodes", self.nnodes,
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test", "-n", "1",
-               "--devices-per-process", "2", "--max-restarts", "2", "--rdzv-timeout", "20",
+               "--devices-per-process", "2", "--max-restarts", "2", "--rdzv-timeout", str(self.rdzv_timeout),
                "--rdzv-last-call", str(self.last_call), SCRIPT, str(self.tmp / "out.npz"),
                str(self.tmp / "backup"), *TRAIN]
         with open(log, "wb") as f:
@@ -153,3 +154,19 @@ def test_a_host_joins_at_a_step_boundary_with_the_state_of_a_live_peer(tmp_path,
     assert re.search(r"a host joins: asking every process to stop at step \d+", hosts.text())
     assert re.search(r"round 1: 3 host\(s\)", hosts.text(2))
     _check(hosts, reference, lost_at_most=0)
+
+
+def test_below_min_a_preempted_job_saves_and_exits_cleanly(tmp_path):
+    from jaxdist.checkpoint import CheckpointManager
+
+    hosts = Hosts(tmp_path, nnodes="2:2", rdzv_timeout=5)
+    for _ in range(2):
+        hosts.start()
+    hosts.wait_for(0, r"\[0\] trained step 6 ")
+    hosts.agents[1].send_signal(signal.SIGTERM)
+    codes = hosts.finish()
+    assert codes == [0, 0], hosts.text()
+    stop = int(re.search(r"left the job at step (\d+)", hosts.text(1))[1])
+    assert "fewer than 2 agents registered within 5 s; exiting" in hosts.text(0)
+    # the state of the agreed step is on disk for a later start
+    assert CheckpointManager(tmp_path / "backup").latest_step() == stop
