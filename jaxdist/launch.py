@@ -166,11 +166,30 @@ def _die_with_parent(command: list[str]) -> list[str]:
 
 
 def _make_state_dir() -> str:
-    """A private directory for the job's in-memory state tier, in shared memory if there is one."""
+    """A private directory for the job's in-memory state tier, in shared memory if there is one.
+
+    Its name carries this launcher's pid; directories left by launchers that died without
+    cleaning up (SIGKILL) are removed here.
+    """
     import tempfile
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="jaxdist-state-", dir=base)
+    root = base or tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(r"jaxdist-state-(\d+)-\w+", name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"jaxdist-state-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's: not ours to judge
+    return True
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:

@@ -94,3 +94,28 @@ def test_rendezvous_store_namespaces_jobs_and_reports_ages():
         server.stop(0)
     with pytest.raises(RendezvousError, match="rendezvous store at"):
         RendezvousClient(f"127.0.0.1:{port}", "job-a", timeout_s=0.5).get("x")
+
+
+def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    import tempfile
+
+    from jaxdist import launch
+
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else
+                        os.path.exists(p) and not os.path.isfile(p))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    (tmp_path / f"jaxdist-state-{dead}-abc").mkdir()
+    (tmp_path / f"jaxdist-state-{os.getpid()}-def").mkdir()
+    made = launch._make_state_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"jaxdist-state-{os.getpid()}-def", os.path.basename(made)])
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
