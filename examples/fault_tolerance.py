@@ -6,7 +6,10 @@ Runs the same 2-process job (`jaxdist launch -n 2 --devices-per-process 2`) twic
 undisturbed, once with process 1 SIGKILLed at step `--kill-at` on its first attempt. The
 launcher sees the dead rank, stops the other one and starts the group again
 (`--max-restarts 1`); `BackupAndRestore` restores the state, the step and the input position of
-the last backup, and the job finishes. The two runs' parameters are compared bit for bit.
+the newest step held in memory (the launcher's in-memory tier: at most one step is computed
+again; the backups on disk are the fallback), and the job finishes. The two runs' parameters are
+compared bit for bit. For several hosts, a lost or joining host, see
+`examples/fault_tolerance_elastic.py`.
 
 `--worker` is the training script itself (what `jaxdist launch` runs on every process).
 """
@@ -48,8 +51,9 @@ def worker(args):
     params = jax.tree.leaves(jax.device_get(history.state.params))
     if jax.process_index() == 0:
         np.savez(args.out, *params)
-        print(f"attempt {os.environ.get('JAXDIST_RESTART_COUNT', '0')}: resumed from step "
-              f"{backup.restored_step}, finished at step {int(history.state.step)}", flush=True)
+        print(f"attempt {os.environ.get('JAXDIST_RESTART_COUNT', '0')}: resumed from "
+              f"{backup.restored_from} step {backup.restored_step}, finished at step "
+              f"{int(history.state.step)}", flush=True)
 
 
 def launch(script_args, restarts):

@@ -10,6 +10,15 @@ SIGTERM are forwarded to every process; after a grace period the stragglers are 
 POSIX only: each process runs in its own session so that killing it kills its children too.
 On Linux each process also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``),
 so a launcher killed with SIGKILL (which it cannot catch) takes its processes with it.
+
+Fault tolerance (see ``docs/guides/fault_tolerance.md``): the launcher gives the job a host-local
+state directory in shared memory (``JAXDIST_STATE_DIR``) where ``BackupAndRestore`` keeps the
+newest completed steps (``jaxdist.memstate``), so a restarted group resumes at most one step back;
+a rank that reports no completed step for ``--hang-timeout`` seconds is declared hung and handled
+as a failure (``jaxdist.hang``); JAX's persistent compilation cache (in that directory unless
+``JAX_COMPILATION_CACHE_DIR`` is set) makes a restart skip compilation; and every process the job
+started, including daemons that left its sessions, is killed when a group ends
+(``jaxdist.reaper``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,11 +38,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist import _output
+from jaxdist import _output, reaper
 from jaxdist.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec, parse_count
+from jaxdist.hang import HangDetector
+from jaxdist.memstate import ENV_STATE_DIR, heartbeat_path
 
 _PREFIX = "jaxdist launch: "
 EXIT_TIMEOUT = 124
+EXIT_HUNG = 125
+ENV_INIT_TIMEOUT = "JAXDIST_INIT_TIMEOUT"
+# How long, in all, to wait for the output readers once a group's processes are gone.
+_READER_JOIN_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +79,13 @@ class _Options:
     grace_period_s: float = 20.0
     num_ps: int = 0
     num_workers: int = 0
+    hang_timeout_s: float | None = None
+    init_timeout_s: float | None = None
+    nnodes: tuple[int, int] | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "jaxdist"
+    rdzv_timeout_s: float = 120.0
+    rdzv_last_call_s: float = 10.0
 
     def __post_init__(self):
         def check(name, ok, expected):
@@ -82,6 +105,15 @@ class _Options:
         check("port", self.port is None or 0 < self.port < 65536, "a port in 1..65535")
         check("timeout_s", self.timeout_s is None or self.timeout_s > 0, "> 0 seconds")
         check("grace_period_s", self.grace_period_s >= 0, ">= 0 seconds")
+        check("hang_timeout_s", self.hang_timeout_s is None or self.hang_timeout_s > 0,
+              "> 0 seconds")
+        check("init_timeout_s", self.init_timeout_s is None or self.init_timeout_s > 0,
+              "> 0 seconds")
+        check("rdzv_endpoint", (self.nnodes is None) == (self.rdzv_endpoint is None),
+              "HOST:PORT together with --nnodes (and only with it)")
+        check("rdzv_id", bool(self.rdzv_id) and "/" not in self.rdzv_id,
+              "a non-empty name without '/'")
+        check("rdzv_timeout_s", self.rdzv_timeout_s > 0, "> 0 seconds")
 
 
 def free_ports(n: int) -> list[int]:
@@ -133,6 +165,33 @@ def _die_with_parent(command: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
+def _make_state_dir() -> str:
+    """A private directory for the job's in-memory state tier, in shared memory if there is one.
+
+    Its name carries this launcher's pid; directories left by launchers that died without
+    cleaning up (SIGKILL) are removed here.
+    """
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = base or tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(r"jaxdist-state-(\d+)-\w+", name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"jaxdist-state-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's: not ours to judge
+    return True
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -152,6 +211,9 @@ class _Launcher:
         self._signal: int | None = None
         self._wake = threading.Event()
         self.restarts = 0
+        self._token = secrets.token_hex(8)
+        self._env[reaper.ENV_LAUNCH_ID] = self._token
+        self._state_dir: str | None = None
 
     def say(self, message: str) -> None:
         self._emit("stderr", (_PREFIX + message + "\n").encode())
@@ -167,11 +229,36 @@ class _Launcher:
         if self._env.pop("TF_CONFIG", None) is not None:
             self.say("ignoring TF_CONFIG: the launcher defines the cluster")
         if options.num_ps:
-            return self._run_ps_job(deadline)
+            try:
+                return self._run_ps_job(deadline)
+            finally:
+                reaper.kill_tagged(self._token)
+        # JAXDIST_MEMORY_TIER=0 turns the in-memory tier off (what restarts cost without it).
+        if self._env.get("JAXDIST_MEMORY_TIER", "1") != "0":
+            self._state_dir = _make_state_dir()
+        elif options.nnodes is not None:
+            raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
+        try:
+            if options.nnodes is not None:
+                from jaxdist.elastic import Agent
+
+                return Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
+                             rdzv_id=options.rdzv_id, nproc=options.num_processes,
+                             max_restarts=options.max_restarts,
+                             rdzv_timeout_s=options.rdzv_timeout_s,
+                             last_call_s=options.rdzv_last_call_s).run()
+            return self._run_spmd(deadline)
+        finally:
+            reaper.kill_tagged(self._token)
+            if self._state_dir is not None:
+                shutil.rmtree(self._state_dir, ignore_errors=True)
+
+    def _run_spmd(self, deadline: float | None) -> int:
+        options = self._options
         for attempt in range(options.max_restarts + 1):
             port = options.port or free_ports(1)[0]
             code, failure = self._run_group(attempt, port, deadline)
-            if failure is None or self._signal is not None or code == EXIT_TIMEOUT:
+            if failure is None or self._signal is not None or failure == "timeout":
                 return code
             if attempt == options.max_restarts:
                 self.say(f"job failed: {failure}" + (
@@ -186,6 +273,15 @@ class _Launcher:
         env = dict(self._env)
         env.update(extra)
         env[ENV_RESTART_COUNT] = str(attempt)
+        env.pop(ENV_STATE_DIR, None)
+        if self._state_dir is not None:
+            env[ENV_STATE_DIR] = self._state_dir
+            # Restarts (and later jobs, when the user names a directory) skip compilation.
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self._state_dir, "xla-cache"))
+            env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+            env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+        if self._options.init_timeout_s is not None:
+            env[ENV_INIT_TIMEOUT] = f"{self._options.init_timeout_s:g}"
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
         if self._options.devices_per_process is not None:
             env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
@@ -211,17 +307,28 @@ class _Launcher:
         procs: list[subprocess.Popen] = []
         readers: list[threading.Thread] = []
         try:
+            for rank in range(n if self._state_dir is not None else 0):
+                try:  # a heartbeat of the previous attempt must not count for this one
+                    os.remove(heartbeat_path(self._state_dir, rank))
+                except FileNotFoundError:
+                    pass
             for rank in range(n):
                 env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
                 procs.append(self.spawn(str(rank), env, readers))
             return self._supervise(procs, deadline)
         finally:
-            for proc in procs:  # also reaps grandchildren left behind by a finished rank
-                _kill_group(proc, signal.SIGKILL)
-            for proc in procs:
-                proc.wait()
-            for reader in readers:
-                reader.join(timeout=5.0)
+            self._end_group(procs, readers)
+
+    def _end_group(self, procs: list[subprocess.Popen], readers: list[threading.Thread]) -> None:
+        for proc in procs:  # also reaps grandchildren left behind by a finished rank
+            _kill_group(proc, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        # Daemons that left the ranks' sessions (setsid) still hold the output pipes.
+        reaper.kill_tagged(self._token)
+        end = time.monotonic() + _READER_JOIN_S
+        for reader in readers:
+            reader.join(timeout=max(0.0, end - time.monotonic()))
 
     def _run_ps_job(self, deadline: float | None) -> int:
         """A parameter-server job: one chief, ``num_workers`` workers, ``num_ps`` servers.
@@ -284,15 +391,15 @@ class _Launcher:
                     return EXIT_TIMEOUT
                 self._wake.wait(0.05)
         finally:
-            for proc in procs.values():
-                _kill_group(proc, signal.SIGKILL)
-            for proc in procs.values():
-                proc.wait()
-            for reader in readers:
-                reader.join(timeout=5.0)
+            self._end_group(list(procs.values()), readers)
 
     def _supervise(self, procs: list[subprocess.Popen],
                    deadline: float | None) -> tuple[int, str | None]:
+        detector = HangDetector(self._state_dir or "/nonexistent",
+                                {r: p.pid for r, p in enumerate(procs)},
+                                timeout_s=self._options.hang_timeout_s)
+        host = socket.gethostname()
+        next_check = 0.0
         while True:
             if self._signal is not None:
                 return self.forward_and_wait(procs), "interrupted"
@@ -306,6 +413,18 @@ class _Launcher:
                 return _exit_code(code), f"rank {rank} {_describe(code)}"
             if all(code == 0 for code in codes):
                 return 0, None
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.25
+                hung = detector.check([r for r, code in enumerate(codes) if code is None])
+                if hung:
+                    for h in hung:
+                        self.say(f"rank {h.rank} (host {host}, pid {h.pid}) is hung: no "
+                                 f"completed step for {h.silent_s:.1f} s (hang timeout "
+                                 f"{detector.timeout_s:g} s), last completed step "
+                                 f"{h.last_step}, process {h.state}")
+                    self.say(f"killing the group ({len(procs)} process(es))")
+                    return EXIT_HUNG, (f"rank(s) {[h.rank for h in hung]} hung (no completed "
+                                       f"step for {detector.timeout_s:g} s)")
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r, code in enumerate(codes) if code is None]
                 self.say(f"timed out after {self._options.timeout_s:g} s with rank(s) "
@@ -351,7 +470,11 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
         devices_per_process: int | None = None,
         max_restarts: int = 0, port: int | None = None, timeout_s: float | None = None,
         grace_period_s: float = 20.0, env: Mapping[str, str] | None = None,
-        cwd: str | None = None, num_ps: int = 0, num_workers: int = 0) -> LaunchResult:
+        cwd: str | None = None, num_ps: int = 0, num_workers: int = 0,
+        hang_timeout_s: float | None = None, init_timeout_s: float | None = None,
+        nnodes: tuple[int, int] | None = None, rdzv_endpoint: str | None = None,
+        rdzv_id: str = "jaxdist", rdzv_timeout_s: float = 120.0,
+        rdzv_last_call_s: float = 10.0) -> LaunchResult:
     """Runs a script as N local processes of one job and collects their output.
 
     Args:
@@ -369,6 +492,18 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
         ``num_workers`` workers and ``num_ps`` servers (TF_CONFIG per task, a generated
         ``JAXDIST_PS_TOKEN``; failed workers and servers are restarted alone up to
         ``max_restarts`` times each; the chief's exit code is the job's).
+      hang_timeout_s: a rank that completes no step for this long is hung: the group is killed
+        and restarted (exit code 125 when no restart is left). None adapts it to the step time
+        (see ``jaxdist.hang``).
+      init_timeout_s: how long ``jaxdist.initialize()`` waits for every process to join
+        (``JAXDIST_INIT_TIMEOUT``; default 300 s).
+      nnodes: ``(MIN, MAX)``: run as this host's elastic agent (``jaxdist.elastic``), with
+        ``num_processes`` processes here; the job runs on MIN to MAX hosts.
+      rdzv_endpoint: ``HOST:PORT`` of the rendezvous store (served by the agent that can bind it).
+      rdzv_id: the job's name in the store.
+      rdzv_timeout_s: how long an agent waits for MIN agents before it exits.
+      rdzv_last_call_s: the first round closes this long after the first registration (or
+        at once with MAX agents).
 
     Returns:
       A `LaunchResult`.
@@ -381,7 +516,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
     (0, ['', '[0] hi', '[1] hi'])
     """
     options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
-                       grace_period_s, num_ps, num_workers)
+                       grace_period_s, num_ps, num_workers, hang_timeout_s, init_timeout_s,
+                       nnodes, rdzv_endpoint, rdzv_id, rdzv_timeout_s, rdzv_last_call_s)
     lines: list[bytes] = []
     lock = threading.Lock()
 
@@ -395,7 +531,9 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
 
 
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
-                  "--timeout", "--grace-period", "--ps", "--workers"}
+                  "--timeout", "--grace-period", "--ps", "--workers", "--hang-timeout",
+                  "--init-timeout", "--nnodes", "--rdzv-endpoint", "--rdzv-id",
+                  "--rdzv-timeout", "--rdzv-last-call"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -452,6 +590,24 @@ def _parser() -> argparse.ArgumentParser:
                         help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show every output line, gloo's per-connection lines too (also: JAXDIST_VERBOSE=1)")
+    parser.add_argument("--hang-timeout", type=float, metavar="SECONDS",
+                        help="a rank that completes no step for this long is hung and handled "
+                             "as a failure (default: 50 x the median step time, 60-300 s)")
+    parser.add_argument("--init-timeout", type=float, metavar="SECONDS",
+                        help="how long jaxdist.initialize() waits for all processes to join "
+                             "(default 300)")
+    parser.add_argument("--nnodes", metavar="MIN:MAX",
+                        help="elastic job: run this host's agent; the job runs on MIN to MAX "
+                             "hosts (with --rdzv-endpoint)")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="the rendezvous store (the agent that can bind it serves it)")
+    parser.add_argument("--rdzv-id", default="jaxdist", metavar="JOB",
+                        help="the job's name in the rendezvous store")
+    parser.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="how long an agent waits for MIN agents to register")
+    parser.add_argument("--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
+                        help="the first round closes this long after the first agent "
+                             "registered (at once when MAX have)")
     return parser
 
 
@@ -467,9 +623,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("expected -n N (an SPMD job) or --ps P --workers W (a parameter-server "
                      "job)")
     try:
+        nnodes = None
+        if args.nnodes is not None:
+            from jaxdist.elastic import parse_nnodes
+
+            nnodes = parse_nnodes(args.nnodes)
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
                            args.port, args.timeout, args.grace_period, args.ps or 0,
-                           args.workers or 0)
+                           args.workers or 0, args.hang_timeout, args.init_timeout,
+                           nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout,
+                           args.rdzv_last_call)
     except ValueError as e:
         parser.error(str(e))
     lock = threading.Lock()
@@ -485,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
             except (BrokenPipeError, ValueError):
                 pass  # the reader went away (`| head`); keep draining so children never block
 
+    # Orphaned descendants (daemons that left the ranks' sessions) become ours to kill and reap.
+    reaper.become_subreaper()
     launcher = _Launcher(target, options, emit, None, None)
     previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}

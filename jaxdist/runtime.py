@@ -32,7 +32,8 @@ def current_cluster() -> ClusterSpec | None:
     return _current
 
 
-def initialize(cluster: ClusterSpec | None = None, *, timeout_s: float = 300.0) -> ClusterSpec:
+def initialize(cluster: ClusterSpec | None = None, *,
+               timeout_s: float | None = None) -> ClusterSpec:
     """Joins the multi-process job; call it first, on every process, before other JAX calls.
 
     The spec is `cluster` if given, else `TF_CONFIG`, else `JAXDIST_*` (set by `jaxdist
@@ -45,7 +46,8 @@ def initialize(cluster: ClusterSpec | None = None, *, timeout_s: float = 300.0) 
 
     Args:
       cluster: an explicit spec.
-      timeout_s: how long to wait for the coordinator and for all processes to join. A
+      timeout_s: how long to wait for the coordinator and for all processes to join (default:
+        ``$JAXDIST_INIT_TIMEOUT``, set by ``jaxdist launch --init-timeout``, else 300 s). A
         process other than 0 that cannot reach the coordinator raises; a process still
         waiting for peers when it expires logs the reason and exits with status 1, because
         JAX's runtime cannot be abandoned mid-connect (it would abort the process).
@@ -63,6 +65,8 @@ def initialize(cluster: ClusterSpec | None = None, *, timeout_s: float = 300.0) 
     1
     """
     global _current
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("JAXDIST_INIT_TIMEOUT") or 300.0)
     spec = cluster if cluster is not None else cluster_from_environment()
     with _lock:
         if _current is None:
@@ -182,6 +186,25 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
             coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
             process_id=spec.process_id, local_device_ids=spec.local_device_ids,
             initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
+    _shutdown_at_exit()
+
+
+def _shutdown_at_exit() -> None:
+    """Leaves the runtime cleanly at interpreter exit (``jax.distributed.shutdown``).
+
+    Without it, a finished process's peers see it vanish and may abort, and schedulers that
+    watch exit codes relaunch jobs that had in fact finished.
+    """
+    import atexit
+
+    def shutdown():
+        import jax
+
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to leave
+            logger.info("jax.distributed.shutdown at exit: %s", e)
+    atexit.register(shutdown)
 
 
 def _join_autodetected(timeout_s: float) -> ClusterSpec:

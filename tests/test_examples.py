@@ -64,7 +64,12 @@ CHECKS = {
     "tpu.py": _check_tpu,
     "parameter_server.py": lambda out: "3 workers, 600 async steps" in out
     and "placement: greedy" in out and _accuracy(out) > 0.9,
-    "fault_tolerance.py": lambda out: "bitwise equal to the uninterrupted run: True" in out,
+    "fault_tolerance.py": lambda out: "bitwise equal to the uninterrupted run: True" in out
+    and re.search(r"attempt 1: resumed from memory step \d+", out),
+    "fault_tolerance_elastic.py": lambda out: re.search(r"round 1: 2 host\(s\)", out)
+    and re.search(r"round 2: 3 host\(s\)", out)
+    and "same parameters as the uninterrupted run (max abs difference" in out
+    and re.search(r"steps computed again: [01]\b", out),
     "mixed_precision.py": lambda out: "mixed_bfloat16, 4 micro-batches of 64: best checkpoint "
     "test accuracy" in out and _accuracy(out) > 0.9,
     "cnn_mnist.py": lambda out: "CNN, 8 replicas" in out and _accuracy(out) > 0.8,
@@ -77,8 +82,8 @@ CHECKS = {
     "your_own_mesh.py": lambda out: "4 replicas; w1 stays split over 'model': P(None, 'model')"
     in out and "largest parameter difference vs one device" in out and _accuracy(out) > 0.8,
 }
-SLOW = {"fault_tolerance.py", "multi_worker.py", "mixed_precision.py"}
-MULTIPROCESS = {"fault_tolerance.py", "multi_worker.py"}
+SLOW = {"fault_tolerance.py", "fault_tolerance_elastic.py", "multi_worker.py", "mixed_precision.py"}
+MULTIPROCESS = {"fault_tolerance.py", "fault_tolerance_elastic.py", "multi_worker.py"}
 
 
 def _params():

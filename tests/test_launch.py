@@ -167,3 +167,31 @@ def test_sigkill_of_the_launcher_takes_its_ranks_with_it(tmp_path):
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path):
+    # before (issue 19 item 11): the setsid daemons were left under PID 1, and the launcher took
+    # 30 s to exit because they held its output pipes
+    env = dict(_env(), PID_DIR=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "jaxdist.launch", "-n", "2",
+                                 "--grace-period", "1", str(SCRIPTS / "spawn_daemon.py")],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert launcher.poll() is None, "launcher exited early"
+            pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.suffix != ".tmp"]
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)  # EOF on its stdout: nothing holds the pipe
+        assert launcher.returncode == 128 + signal.SIGTERM, out
+        assert not any(map(_alive, pids)), f"daemons {pids} outlived the job"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

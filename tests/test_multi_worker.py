@@ -46,13 +46,15 @@ def test_2x2_processes_train_like_1x4_and_resume_exactly_after_sigkill(tmp_path)
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
     # Rank 1 is SIGKILLed at step 11 of the first attempt: the launcher restarts the group, the
-    # job resumes from its last backup and must end bitwise where the uninterrupted run did.
+    # job resumes from memory and must end bitwise where the uninterrupted run did.
     res, out = _launch(tmp_path, "killed", "--kill-at", "11", "--signal", "KILL", "--rank", "1",
                        max_restarts=1)
     assert res.returncode == 0, res.output[-3000:]
     assert res.restarts == 1
     c = np.load(out)
-    assert int(c["restored"]) in (8, 10)
+    # jaxdist launch's in-memory tier: the step rank 1 completed (11) or the one before, not the
+    # last backup on disk (8 or 10)
+    assert int(c["restored"]) in (10, 11)
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
 

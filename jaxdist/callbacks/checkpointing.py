@@ -196,7 +196,13 @@ class BackupAndRestore(ModelCheckpoint):
     At the start of training, if ``directory`` holds a backup, the state, the step counter and the
     input position (epoch and batch) are restored from the newest backup that restores intact
     (newer ones that are corrupt or incomplete are skipped with a warning), so the resumed run sees
-    exactly the batches the uninterrupted one would have, and ends with the same parameters. On a preemption notice
+    exactly the batches the uninterrupted one would have, and ends with the same parameters.
+
+    Under ``jaxdist launch`` (or with ``JAXDIST_STATE_DIR`` set) there is also an in-memory tier
+    (``jaxdist.memstate.StateTier``): every completed step's state and input position are kept in
+    host shared memory, and a restarted job resumes from the newest step any process holds (it
+    reaches the others over the network), so a failure costs at most one step; the backups in
+    ``directory`` are used when that is newer or the memory tier is gone. On a preemption notice
     (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
     and ``TrainingPreempted`` ends the process cleanly.
 
@@ -216,10 +222,23 @@ class BackupAndRestore(ModelCheckpoint):
         self._exit_code = preemption_exit_code
         self._notice = _PreemptionNotice()
         self.restored_step: int | None = None
+        self.restored_from: str | None = None
+        from jaxdist.memstate import StateTier
+
+        self.memory = StateTier()
 
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
         self._notice.install()
         self.saved = []
+        snap = self.memory.resume(info.state, info.strategy)
+        disk = self.manager.latest_step()
+        if snap is not None and (disk is None or snap.step >= disk):
+            data = snap.data_state or {}
+            self.restored_step, self.restored_from = snap.step, "memory"
+            logger.info("restored step %d from memory (process %d; epoch %d, batch %d)",
+                        snap.step, snap.source, data.get("epoch", 0), data.get("position", 0))
+            return Resume(state=snap.state, step=snap.step, epoch=data.get("epoch", info.epoch),
+                          position=data.get("position", 0), source=f"memory:{snap.step}")
         # The newest backup that restores intact: a corrupt or half-written newer one is skipped
         # with a warning naming it, so a restarted job resumes instead of failing every restart.
         found = self.manager.restore_latest(target=info.state, strategy=info.strategy)
@@ -229,13 +248,26 @@ class BackupAndRestore(ModelCheckpoint):
         data = meta.get("data") or {}
         resume = Resume(state=state, step=meta["step"], epoch=data.get("epoch", info.epoch),
                         position=data.get("position", 0), source=step)
-        self.restored_step = step
+        self.restored_step, self.restored_from = step, "backup"
         logger.info("restored backup step %d (epoch %d, batch %d)", step, resume.epoch,
                     resume.position)
         return resume
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
         super().on_train_batch_end(info)
+        self.memory.save(info.step, info.state,
+                         info.iterator.state() if info.iterator is not None else None)
+        stop = self.memory.stop_step()
+        if stop is not None and info.step >= stop:
+            if info.step > stop:
+                raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
+                                   f"{info.step}; handled as a failure (resumes from memory)")
+            # Every process stops here (the elastic agents agreed on the step): the job re-forms.
+            logger.info("stopping at step %d to re-form the job", stop)
+            self.memory.flush()
+            self._save(info)
+            self.manager.wait_until_finished()
+            raise TrainingPreempted(0)
         if self._notice.reached(info.step):
             self._save(info)
             self.manager.wait_until_finished()
@@ -250,5 +282,6 @@ class BackupAndRestore(ModelCheckpoint):
 
     def close(self) -> None:
         self._notice.uninstall()
+        self.memory.close()
 
 

@@ -1,0 +1,319 @@
+"""What a failure costs: steps lost, seconds to the next completed step, parameters vs no failure.
+
+    python benchmarks/fault_tolerance.py [--out benchmarks/results/fault_tolerance.md]
+
+Simulated hosts on this machine: 3 elastic agents (``jaxdist launch --nnodes 2:3``) x 1 process
+x 2 CPU devices, the README MLP (``models.MLP()``, 64-256-128-10 on digits), global batch 96,
+4 epochs of 8 steps, ``BackupAndRestore(every_n_steps=8)``, JAX's persistent compilation cache
+shared by the agents (as a job's cache directory would be). Each scenario acts at step 6:
+
+* SIGKILL of one process (rank 1), the other hosts' agents stay;
+* loss of a whole host (its agent SIGKILLed; its process dies with it);
+* SIGSTOP of one process (a hang; ``--hang-timeout 5``);
+* SIGTERM to an agent (a preemption notice: its host leaves at an agreed step);
+* a host joining (2 agents running, a third started at step 4);
+* the same SIGKILL under the single-host launcher (``jaxdist launch -n 3``, no rendezvous);
+* today's restart-all for comparison: ``jaxdist launch -n 3`` with the in-memory tier off
+  (``JAXDIST_MEMORY_TIER=0``) and no compilation cache, rank 1 SIGKILLed at step 6; the group
+  restarts from the last persistent backup (step 0 here, as the first backup is at step 8).
+
+"Seconds to the next step" runs from the failure (the fault's own timestamp, or the signal sent)
+to the first step of the re-formed job on rank 0 (its callback; the state of the step before it
+is then written). It includes detection (a dead process: at once; a lost host: <= 3 s; a hang:
+the hang timeout), stopping the old processes, the rendezvous, starting Python and JAX, the
+resume, and compiling (from the persistent cache where there is one). For SIGTERM and a joining
+host it includes running on to the agreed stop step (about one second of steps ahead). A
+slowdown (``--sleep``, 0.1 s per step) lets the driver act at a chosen step.
+
+``--worker`` is the training script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(args) -> None:
+    import jaxdist
+
+    jaxdist.initialize()
+    import jax
+    import numpy as np
+
+    from jaxdist import models
+
+    attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+    me = jax.process_index()
+
+    class Report(jaxdist.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            time.sleep(args.sleep)
+            if me == 0:
+                print(f"trained step {info.step} t={time.time():.3f}", flush=True)
+
+    class Fault(jaxdist.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            if attempt == 0 and me == 1 and info.step == args.at and args.fault != "none":
+                jax.block_until_ready(info.state)
+                print(f"fault {args.fault} t={time.time():.3f} step {info.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+
+    strategy = jaxdist.MultiWorkerMirroredStrategy()
+    (x, y), _ = jaxdist.datasets.digits()
+    state = models.create_train_state(models.MLP(), x[:1], seed=1)
+    backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=8)
+    data = strategy.distribute((x[:768], y[:768]), 96, shuffle=True, seed=5)
+    history = jaxdist.fit(strategy.step(models.classifier_train_step), state, data,
+                          epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0)
+    if me == 0:
+        print(f"resumed from {backup.restored_from} step {backup.restored_step}", flush=True)
+        np.savez(args.out, *jax.tree.leaves(jax.device_get(history.state.params)))
+
+
+_OVERHEAD = """
+import os, sys, tempfile, time
+import jax, jaxdist
+from jaxdist import models
+(x, y), _ = jaxdist.datasets.digits()
+strategy = jaxdist.MirroredStrategy()
+data = strategy.distribute((x, y), 96, shuffle=True, seed=5)
+step = strategy.step(models.classifier_train_step)
+def run(epochs):
+    state = models.create_train_state(models.MLP(), x[:1], seed=1)
+    backup = jaxdist.callbacks.BackupAndRestore(tempfile.mkdtemp(), every_n_steps=10**6)
+    t = time.perf_counter()
+    h = jaxdist.fit(step, state, data, epochs=epochs, callbacks=[backup], verbose=0)
+    jax.block_until_ready(h.state)
+    return time.perf_counter() - t
+run(1)  # compile
+steps = len(data) * int(sys.argv[1])
+print(steps / run(int(sys.argv[1])))
+"""
+
+
+def overhead(repeats: int = 5, epochs: int = 6) -> tuple[float, float]:
+    """Median steps/s of ``fit`` + ``BackupAndRestore`` with the memory tier off and on (one
+    process, 2 devices, the README MLP, batch 96), runs interleaved."""
+    import statistics
+    import subprocess as sp
+
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for on in (False, True):
+            env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="2")
+            env.pop("JAXDIST_STATE_DIR", None)
+            if on:
+                env["JAXDIST_STATE_DIR"] = tempfile.mkdtemp(dir="/dev/shm" if
+                                                            os.path.isdir("/dev/shm") else None)
+            out = sp.run([sys.executable, "-c", _OVERHEAD, str(epochs)], env=env,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+            rates[on].append(float(out.split()[-1]))
+    return statistics.median(rates[False]), statistics.median(rates[True])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    def __init__(self, tmp: str, name: str, cache: str | None, env_extra=None):
+        self.dir = os.path.join(tmp, name)
+        os.makedirs(self.dir)
+        self.env = dict(os.environ, PYTHONPATH=ROOT, **(env_extra or {}))
+        for k in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS", "TF_CONFIG"):
+            self.env.pop(k, None)
+        if cache:
+            self.env["JAX_COMPILATION_CACHE_DIR"] = cache
+        self.port = _free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[str] = []
+
+    def worker_args(self, *extra):
+        return [__file__, "--worker", "--out", os.path.join(self.dir, "out.npz"), "--backup",
+                os.path.join(self.dir, "backup"), *extra]
+
+    def start(self, launcher_args, *extra):
+        log = os.path.join(self.dir, f"agent{len(self.procs)}.log")
+        with open(log, "wb") as f:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxdist.launch", *launcher_args,
+                 *self.worker_args(*extra)], env=self.env, cwd=ROOT, stdout=f,
+                stderr=subprocess.STDOUT))
+        self.logs.append(log)
+
+    def start_agent(self, *extra, last_call=10, hang=None):
+        self.start(["--nnodes", "2:3", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "-n", "1",
+                    "--devices-per-process", "2", "--max-restarts", "2", "--rdzv-timeout", "30",
+                    "--rdzv-last-call", str(last_call),
+                    *(["--hang-timeout", str(hang)] if hang else [])], *extra)
+        if len(self.procs) == 1:
+            self.wait_for(0, "serving the rendezvous store")
+
+    def text(self, i=None) -> str:
+        return "".join(open(p, errors="replace").read()
+                       for p in (self.logs if i is None else [self.logs[i]]))
+
+    def wait_for(self, i, pattern, timeout=300):
+        end = time.monotonic() + timeout
+        while not re.search(pattern, self.text(i)):
+            if time.monotonic() > end or self.procs[i].poll() is not None:
+                raise RuntimeError(f"no {pattern!r}:\n{self.text()[-3000:]}")
+            time.sleep(0.02)
+
+    def finish(self, timeout=300):
+        codes = [p.wait(timeout=timeout) for p in self.procs]
+        return codes
+
+    def result(self, failure_t, reference):
+        import numpy as np
+
+        out = self.text(0)
+        m = re.search(r"resumed from (\w+) step (\w+)", out.split("trained step")[-1])
+        resumed = int(m[2]) if m[2] != "None" else 0
+        done = [int(s) for d in re.findall(r"last completed step per local rank \{([^}]*)\}",
+                                           self.text()) for s in re.findall(r": (\d+)", d)]
+        stopped = [int(s) for s in re.findall(r"(?:stopped at|left the job at) step (\d+)",
+                                               self.text())]
+        faults = [int(s) for s in re.findall(r"fault \w+ t=[\d.]+ step (\d+)", self.text())]
+        before = max(done + stopped + faults, default=0)
+        if failure_t is None:
+            failure_t = float(re.search(r"fault \w+ t=([\d.]+)", self.text())[1])
+        # the first step of the re-formed job (after the agent's next round / the restart)
+        marker = re.search(r"\] round 1: |restarting the group", out)
+        after = [(int(s), float(t)) for s, t in
+                 re.findall(r"trained step (\d+) t=([\d.]+)", out[marker.end():] if marker
+                            else "")]
+        recovery = after[0][1] - failure_t if after else float("nan")
+        with np.load(os.path.join(self.dir, "out.npz")) as f:
+            params = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+        diff = (max(float(np.abs(a - b).max()) for a, b in zip(params, reference))
+                if reference is not None else 0.0)
+        return dict(lost=before - resumed, resumed=f"{m[1]} step {resumed}",
+                    recovery=recovery, diff=diff, params=params)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--backup")
+    ap.add_argument("--fault", default="none")
+    ap.add_argument("--at", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--sleep", type=float, default=0.1)
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only measure the in-memory tier's cost per step")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results",
+                                                      "fault_tolerance.md"))
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.overhead_only:
+        off, on = overhead()
+        print(f"fit steps/s, memory tier off {off:.1f}, on {on:.1f} ({on / off - 1:+.1%})")
+        return
+
+    tmp = tempfile.mkdtemp(prefix="jaxdist-ft-bench-")
+    cache = os.path.join(tmp, "xla-cache")
+    rows = []
+
+    def agents(name, n=3, **kw):
+        job = Job(tmp, name, cache)
+        for _ in range(n):
+            job.start_agent(**kw)
+        return job
+
+    print("uninterrupted run ...", flush=True)
+    ref = agents("uninterrupted")
+    assert ref.finish() == [0, 0, 0], ref.text()[-3000:]
+    reference = ref.result(0.0, None)["params"]
+
+    print("SIGKILL of one process ...", flush=True)
+    job = Job(tmp, "kill", cache)
+    for _ in range(3):
+        job.start_agent("--fault", "kill")
+    assert job.finish()[:3] == [0, 0, 0], job.text()[-3000:]
+    rows.append(("SIGKILL of one process", job.result(None, reference)))
+
+    print("loss of a whole host ...", flush=True)
+    job = agents("host")
+    job.wait_for(0, r"trained step 6 ")
+    t = time.time()
+    job.procs[2].kill()
+    assert job.finish()[:2] == [0, 0], job.text()[-3000:]
+    rows.append(("loss of a whole host (agent + process SIGKILLed)", job.result(t, reference)))
+
+    print("SIGSTOP of one process ...", flush=True)
+    job = Job(tmp, "stop", cache)
+    for _ in range(3):
+        job.start_agent("--fault", "stop", hang=5)
+    assert job.finish()[:3] == [0, 0, 0], job.text()[-3000:]
+    rows.append(("SIGSTOP of one process (hang, --hang-timeout 5)", job.result(None, reference)))
+
+    print("SIGTERM to an agent ...", flush=True)
+    job = agents("sigterm")
+    job.wait_for(0, r"trained step 6 ")
+    t = time.time()
+    job.procs[2].send_signal(signal.SIGTERM)
+    assert job.finish() == [0, 0, 0], job.text()[-3000:]
+    rows.append(("SIGTERM to an agent (preemption)", job.result(t, reference)))
+
+    print("a host joining ...", flush=True)
+    job = agents("join", n=2, last_call=1)
+    job.wait_for(0, r"trained step 4 ")
+    t = time.time()
+    job.start_agent(last_call=1)
+    assert job.finish() == [0, 0, 0], job.text()[-3000:]
+    rows.append(("a host joining (2 -> 3 hosts)", job.result(t, reference)))
+
+    print("single-host launcher, SIGKILL of one process ...", flush=True)
+    job = Job(tmp, "single-host", cache)
+    job.start(["-n", "3", "--devices-per-process", "2", "--max-restarts", "1"],
+              "--fault", "kill")
+    assert job.finish() == [0], job.text()[-3000:]
+    rows.append(("single host, `jaxdist launch -n 3`: SIGKILL of one process",
+                 job.result(None, reference)))
+
+    print("today's restart-all ...", flush=True)
+    job = Job(tmp, "restart-all", None, {"JAXDIST_MEMORY_TIER": "0"})
+    job.start(["-n", "3", "--devices-per-process", "2", "--max-restarts", "1"],
+              "--fault", "kill")
+    assert job.finish() == [0], job.text()[-3000:]
+    rows.append(("today: restart-all from the last backup (no memory tier, no compile cache)",
+                 job.result(None, reference)))
+
+    lines = ["| scenario | steps lost | resumed from | seconds to the next step | "
+             "max abs param diff vs uninterrupted |", "|---|---|---|---|---|"]
+    for name, r in rows:
+        lines.append(f"| {name} | {r['lost']} | {r['resumed']} | {r['recovery']:.1f} | "
+                     f"{r['diff']:.1e} |")
+    table = "\n".join(lines)
+    off, on = overhead()
+    table += (f"\n\nCost of the in-memory tier in steady state (one process, 2 devices, same "
+              f"MLP, batch 96, `fit` + `BackupAndRestore`, median of 5 interleaved runs): "
+              f"{off:.1f} steps/s without, {on:.1f} with ({on / off - 1:+.1%}).")
+    print(table)
+    if args.results:
+        with open(args.results, "w") as f:
+            f.write("# Fault tolerance: what a failure costs\n\n"
+                    f"`python benchmarks/fault_tolerance.py` ({time.strftime('%Y-%m-%d')}, "
+                    "CPU only, 2 cores shared with other jobs; 3 simulated hosts = 3 agents x 1 "
+                    "process x 2 devices, MLP 64-256-128-10 on digits, global batch 96, 32 "
+                    "steps, failure at step 6; see the script's docstring).\n\n"
+                    + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

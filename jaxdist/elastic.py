@@ -1,0 +1,381 @@
+"""The elastic agent: one ``jaxdist launch --nnodes MIN:MAX`` per host, re-forming the job as hosts
+fail, leave and arrive.
+
+    jaxdist launch --nnodes 2:3 --rdzv-endpoint HOST:PORT --rdzv-id JOB -n K train.py ...
+
+Each agent runs K processes of the job. The job runs in *rounds*: in round N the agents registered
+in the rendezvous store (``jaxdist.rendezvous``, served by the agent that can bind the endpoint)
+are ordered (survivors keep their place, newcomers after them), ranks and the coordinator address
+follow from that order, and every agent starts its K processes. A round ends when:
+
+* a process fails or hangs, or an agent stops heartbeating (its host is lost): every agent kills
+  its processes and registers for the next round; the job resumes from the newest step in memory
+  (``jaxdist.memstate``), so at most one step is computed again;
+* an agent is asked to leave (SIGTERM, a preemption notice) or a new agent registers: the agents
+  agree on a stop step a little ahead of the current one (the first request wins in the store),
+  every process stops exactly there (``BackupAndRestore`` saves a backup too) and the job
+  re-forms without the leaver / with the newcomer, which receives the state from a live peer
+  over the network: no step is lost;
+* every process has finished: the job is done.
+
+The first round closes when MAX agents have registered, or ``--rdzv-last-call`` seconds after
+the first registration with at least MIN (torchrun's "last call"). If fewer than MIN agents are
+alive for ``--rdzv-timeout`` seconds, the agents exit: 0 when the
+last round ended cleanly (the state is in the persistent backup), 1 after a failure.
+
+Losing the rendezvous host (the agent serving the store) ends the job: the other agents cannot
+agree on anything without it, so they kill their processes and exit with status 1 once the store
+has not answered for ``host_timeout_s``; restarting the agents resumes from the persistent backup.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from jaxdist.cluster import ClusterSpec, split_address
+from jaxdist.hang import HangDetector
+from jaxdist.memstate import heartbeat_path
+from jaxdist.rendezvous import RendezvousClient, RendezvousError, serve
+
+HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
+_BEAT_S = 0.3
+_SETTLE_S = 0.5           # close a round this long after the last registration, all present
+_DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
+
+
+def _local_address(host: str, port: int) -> str:
+    """This host's address as seen on the way to the rendezvous endpoint."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+class Agent:
+    """One host's agent (used by ``jaxdist launch --nnodes``; ``launcher`` is its ``_Launcher``)."""
+
+    def __init__(self, launcher: Any, *, nnodes: tuple[int, int], endpoint: str,
+                 rdzv_id: str, nproc: int, max_restarts: int, rdzv_timeout_s: float,
+                 host_timeout_s: float = HOST_TIMEOUT_S, last_call_s: float = 10.0):
+        self.l = launcher
+        self.min, self.max = nnodes
+        self.nproc = nproc
+        self.max_restarts = max_restarts
+        self.rdzv_timeout_s = rdzv_timeout_s
+        self.host_timeout_s = host_timeout_s
+        self.last_call_s = last_call_s
+        self.hostname = socket.gethostname()
+        self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
+        host, port = split_address(endpoint)
+        self.server = serve(f"{host}:{port}")
+        self.store = RendezvousClient(endpoint, rdzv_id)
+        self.addr = _local_address(host, port)
+        self._stopped = threading.Event()
+        self._leaving = False
+        self._quiet = False
+        self._stop: int | None = None
+        self._last_order: int | None = None
+
+    def say(self, message: str) -> None:
+        self.l.say(f"[agent {self.id}] {message}")
+
+    # -- threads -------------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(_BEAT_S):
+            if self._quiet:
+                continue
+            try:
+                self.store.set(f"alive/{self.id}", self.hostname)
+            except RendezvousError:
+                pass  # the monitor notices a store that stays silent
+
+    def _close_rounds(self) -> None:
+        """On the store's host: closes each open round once enough agents have registered."""
+        try:
+            self._close_rounds_loop()
+        except Exception as e:  # noqa: BLE001 - say why, or every agent waits in vain
+            self.say(f"the rendezvous round closer failed: {type(e).__name__}: {e}")
+            raise
+
+    def _close_rounds_loop(self) -> None:
+        while not self._stopped.wait(0.1):
+            try:
+                n = self.store.get("open")
+                regs = self.store.list(f"r{n}/member/")
+                alive = {k for k, (_, age) in self.store.list("alive/").items()
+                         if age < self.host_timeout_s}
+                leaving = set(self.store.list("leaving/"))
+            except RendezvousError:
+                continue
+            ready = {k: v for k, (v, _) in regs.items() if k in alive and k not in leaving}
+            if len(ready) < self.min:
+                continue
+            newest = min(age for _, age in regs.values())
+            oldest = max(age for _, age in regs.values())
+            missing = alive - set(ready) - leaving
+            # The first round also waits a little for agents still starting (torchrun's last call).
+            if len(ready) >= self.max or (newest > _SETTLE_S and not missing
+                                          and (n > 0 or oldest > self.last_call_s)):
+                order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
+                self.store.set(f"r{n}/final", [[k, ready[k]] for k in order])
+                self.store.set("open", n + 1)
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Runs rounds until the job is done, this agent leaves, or too few agents remain."""
+        if self.server is not None:
+            self.say(f"serving the rendezvous store on {self.store.address}")
+        self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
+        threads = [threading.Thread(target=self._beat, daemon=True)]
+        if self.server is not None:
+            threads.append(threading.Thread(target=self._close_rounds, daemon=True))
+        for t in threads:
+            t.start()
+        failures, clean = 0, True
+        try:
+            while True:
+                joined = self._join()
+                if joined is None:
+                    if self.l._signal is not None:
+                        self.say(f"received {signal.Signals(self.l._signal).name} between "
+                                 "rounds; leaving")
+                        return 0 if clean else 128 + self.l._signal
+                    if self.store.get("done"):
+                        return 0
+                    self.say(f"fewer than {self.min} agents registered within "
+                             f"{self.rdzv_timeout_s:g} s; exiting")
+                    return 0 if clean else 1
+                n, members = joined
+                outcome, code = self._run_round(n, members)
+                if outcome in ("done", "left", "signal"):
+                    return code
+                clean = outcome == "drained"
+                if not clean:
+                    failures += 1
+                    if failures > self.max_restarts:
+                        self.say(f"job failed after {failures - 1} restart(s) of this agent")
+                        return code or 1
+                    self.l.restarts += 1
+        except RendezvousError as e:
+            self.say(f"lost the rendezvous store ({e}); stopping this host's processes")
+            return 1
+        finally:
+            self._stopped.set()
+            try:
+                self.store.delete(f"alive/{self.id}")
+            except RendezvousError:
+                pass
+            if self.server is not None:
+                self._drain_store()
+                self.server[0].stop(0)
+
+    def _drain_store(self) -> None:
+        """Keeps the store up until the other agents have gone (or have been silent a while)."""
+        end = time.monotonic() + self.rdzv_timeout_s
+        while time.monotonic() < end:
+            try:
+                others = [k for k, (_, age) in self.store.list("alive/").items()
+                          if k != self.id and age < self.host_timeout_s]
+            except RendezvousError:
+                return
+            if not others:
+                return
+            time.sleep(0.1)
+
+    def _join(self) -> tuple[int, list] | None:
+        deadline = time.monotonic() + self.rdzv_timeout_s
+        port = _free_port()
+        while time.monotonic() < deadline:
+            if self.store.get("done") or self.l._signal is not None:
+                return None
+            n = self.store.get("open")
+            order = self._last_order if self._last_order is not None else 1 << 30
+            self.store.set(f"r{n}/member/{self.id}", {
+                "addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
+                "order": order})
+            while time.monotonic() < deadline and self.store.get("open") == n:
+                time.sleep(0.05)
+                alive = [k for k, (_, age) in self.store.list("alive/").items()
+                         if age < self.host_timeout_s]
+                if len(alive) >= self.min:  # a round is running or forming: not too few hosts
+                    deadline = time.monotonic() + self.rdzv_timeout_s
+            final = self.store.get(f"r{n}/final")
+            if final and any(k == self.id for k, _ in final):
+                return n, final
+        return None
+
+    def _run_round(self, n: int, members: list) -> tuple[str, int]:
+        index = [k for k, _ in members].index(self.id)
+        self._last_order = index
+        first = sum(info["nproc"] for _, info in members[:index])
+        world = sum(info["nproc"] for _, info in members)
+        lead = members[0][1]
+        coordinator = f"{lead['addr']}:{lead['port']}"
+        ids = [k for k, _ in members]
+        self.say(f"round {n}: {len(members)} host(s) {[m['host'] for _, m in members]}, "
+                 f"ranks {first}..{first + self.nproc - 1} of {world}, coordinator "
+                 f"{coordinator}")
+        state_dir = self.l._state_dir
+        for path in [os.path.join(state_dir, "stop")] + [
+                heartbeat_path(state_dir, r) for r in range(first, first + self.nproc)]:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        procs, readers = [], []
+        try:
+            for i in range(self.nproc):
+                env = self.l.child_env(ClusterSpec(coordinator, world, first + i).to_env(), n)
+                procs.append(self.l.spawn(str(first + i), env, readers))
+            return self._watch(n, ids, first, procs)
+        finally:
+            self.l._end_group(procs, readers)
+
+    def _watch(self, n: int, ids: list[str], first: int, procs: list) -> tuple[str, int]:
+        ranks = {first + i: p.pid for i, p in enumerate(procs)}
+        detector = HangDetector(self.l._state_dir, ranks,
+                                timeout_s=self.l._options.hang_timeout_s)
+        draining = False
+        store_ok = time.monotonic()
+
+        def fail(reason: str, code: int = 1) -> tuple[str, int]:
+            self.store.set_if_absent(f"r{n}/failed", reason)
+            self.say(f"round {n} failed: {reason}; last completed step per local rank "
+                     f"{detector.last_steps()}")
+            return "failed", code
+
+        while True:
+            time.sleep(0.1)
+            codes = [p.poll() for p in procs]
+            if self.l._signal is not None and not self._leaving:
+                if self.l._signal == signal.SIGKILL:
+                    return "signal", 128 + signal.SIGKILL
+                self._leaving = True
+                self.say(f"received {signal.Signals(self.l._signal).name}: this host leaves "
+                         "the job at a step every process agrees on")
+                self.store.set(f"leaving/{self.id}", 1)
+            for i, code in enumerate(codes):
+                if code not in (None, 0) and (not draining or None not in codes):
+                    return fail(f"rank {first + i} on host {self.hostname} "
+                                f"{_describe(code)}", code if code > 0 else 128 - code)
+            if all(code == 0 for code in codes):
+                if self._leaving:
+                    self.say(f"left the job at step {self._stop if draining else 'end'}")
+                    if self.server is not None:
+                        self._serve_until_done()
+                    return "left", 0
+                if draining:
+                    self.say(f"stopped at step {self._stop} to re-form the job")
+                    return "drained", 0
+                self.store.set("done", 1)
+                return "done", 0
+            hung = detector.check([first + i for i, c in enumerate(codes) if c is None])
+            if hung and not draining:
+                for h in hung:
+                    self.say(f"rank {h.rank} (host {self.hostname}, pid {h.pid}) is hung: no "
+                             f"completed step for {h.silent_s:.1f} s (hang timeout "
+                             f"{detector.timeout_s:g} s), last completed step {h.last_step}, "
+                             f"process {h.state}")
+                return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung")
+            try:
+                failed = self.store.get(f"r{n}/failed")
+                alive = {k: age for k, (_, age) in self.store.list("alive/").items()}
+                leaving = set(self.store.list("leaving/"))
+                joiners = [k for k in self.store.list(f"r{n + 1}/member/") if k not in ids]
+                stop = self.store.get(f"r{n}/drain")
+                done = self.store.get("done")
+                store_ok = time.monotonic()
+            except RendezvousError:
+                if time.monotonic() - store_ok > self.host_timeout_s:
+                    raise
+                continue
+            if done:
+                continue  # another host's processes finished: ours are finishing too
+            if failed:
+                self.say(f"round {n} ended by a failure elsewhere: {failed}; last completed "
+                         f"step per local rank {detector.last_steps()}")
+                return "failed", 1
+            lost = [k for k in ids if k != self.id and k not in leaving
+                    and alive.get(k, math.inf) > self.host_timeout_s]
+            if lost:
+                return fail(f"host(s) {lost} lost (agent silent for more than "
+                            f"{self.host_timeout_s:g} s)")
+            if stop is None and (joiners or self._leaving or (leaving & set(ids))):
+                steps = [s for s in detector.last_steps().values() if s is not None]
+                if steps:  # a stop step needs a step to count from
+                    step_s = detector.median_step_s() or 0.05
+                    ahead = max(4, math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
+                    why = "a host joins" if joiners else "a host leaves"
+                    stop = self.store.set_if_absent(f"r{n}/drain", max(steps) + ahead)
+                    self.say(f"{why}: asking every process to stop at step {stop}")
+            if stop is not None and not draining:
+                draining, self._stop = True, stop
+                _write_stop(self.l._state_dir, stop)
+
+
+    def _serve_until_done(self) -> None:
+        """A leaving agent that serves the store keeps serving it (without processes) until the
+        job is done or no other agent is left, so that the others can re-form."""
+        self.say("still serving the rendezvous store for the other hosts")
+        self._quiet = True
+        self.store.delete(f"alive/{self.id}")
+        quiet_since = None
+        while not self.store.get("done"):
+            others = [k for k, (_, age) in self.store.list("alive/").items()
+                      if k != self.id and age < self.host_timeout_s]
+            if others:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > self.rdzv_timeout_s:
+                return
+            time.sleep(0.2)
+
+
+def _write_stop(directory: str, step: int) -> None:
+    tmp = os.path.join(directory, "stop.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, os.path.join(directory, "stop"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"MIN:MAX"`` or ``"N"`` as ``(min, max)``.
+
+    >>> parse_nnodes("2:3"), parse_nnodes("2")
+    ((2, 3), (2, 2))
+    """
+    lo, _, hi = text.partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r}: expected MIN:MAX or N (integers)") from None
+    if not 1 <= lo_n <= hi_n:
+        raise ValueError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
+    return lo_n, hi_n

@@ -1,0 +1,66 @@
+"""A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
+
+    ft_train.py OUT BACKUP [--fault kill|stop|none] [--rank R] [--at STEP] [--epochs E]
+
+On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
+SIGSTOPs itself. Rank 0 prints ``trained step N epoch E position P`` after each step, the step it
+resumed from (and whether from memory or from the backup), and writes the final parameters to OUT.
+The backup period is longer than the run, so only the in-memory tier can save work.
+"""
+import argparse
+import os
+import signal
+import time
+
+import jaxdist
+
+jaxdist.initialize()
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxdist import models  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("backup")
+ap.add_argument("--fault", default="none")
+ap.add_argument("--rank", type=int, default=1)
+ap.add_argument("--at", type=int, default=5)
+ap.add_argument("--epochs", type=int, default=2)
+ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an outside actor "
+                "can then act at a chosen step)")
+args = ap.parse_args()
+attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+me = jax.process_index()
+
+
+class Report(jaxdist.callbacks.Callback):
+    """First in the list: a step at which BackupAndRestore stops the job is reported too."""
+
+    def on_train_batch_end(self, info):
+        time.sleep(args.sleep)
+        if me == 0:
+            print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
+                  flush=True)
+
+
+class Fault(jaxdist.callbacks.Callback):
+    def on_train_batch_end(self, info):
+        if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
+            jax.block_until_ready(info.state)
+            print(f"fault {args.fault} at step {info.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+
+
+strategy = jaxdist.MultiWorkerMirroredStrategy()
+(x, y), _ = jaxdist.datasets.digits()
+x, y = x[:700], y[:700]
+state = models.create_train_state(models.MLP(hidden=(32,)), x[:1], seed=1)
+backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
+history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
+                      strategy.distribute((x, y), 96, shuffle=True, seed=5),
+                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0)
+if me == 0:
+    print(f"attempt {attempt} resumed from {backup.restored_from} step {backup.restored_step}",
+          flush=True)
+    np.savez(args.out, *jax.tree.leaves(jax.device_get(history.state.params)))

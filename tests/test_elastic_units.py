@@ -1,0 +1,121 @@
+"""Fast checks of the fault-tolerance pieces, without processes: the in-memory tier, the hang
+detector, the rendezvous store."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist.hang import HangDetector
+from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
+from jaxdist.rendezvous import RendezvousClient, RendezvousError, serve
+
+
+def test_memory_tier_keeps_the_two_newest_steps_and_resumes_from_the_newest(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0)
+    state = {"w": jnp.zeros(3), "step": 0}
+    for step in range(1, 6):
+        state = {"w": state["w"] + 1, "step": jnp.int32(step)}
+        tier.save(step, state, {"epoch": 0, "position": step})
+    tier.close()
+    assert sorted(os.listdir(tmp_path / "0")) == ["heartbeat", "step-4.npz", "step-5.npz"]
+    snap = StateTier(str(tmp_path), rank=0).resume({"w": jnp.zeros(3), "step": 0})
+    assert snap.step == 5 and snap.data_state == {"epoch": 0, "position": 5}
+    assert snap.state["w"].tolist() == [5.0] * 3 and int(snap.state["step"]) == 5
+
+
+def test_memory_tier_survives_donation_of_the_saved_state(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0)
+    step = jax.jit(lambda s: s + 1, donate_argnums=0)
+    x = jnp.zeros(4)
+    for k in range(1, 4):
+        x = step(x)
+        tier.save(k, {"x": x})  # the next step donates (deletes) x's buffer
+    tier.close()
+    assert StateTier(str(tmp_path), rank=0).resume({"x": jnp.zeros(4)}).state["x"].tolist() \
+        == [3.0] * 4
+
+
+def test_a_snapshot_that_does_not_match_the_state_is_ignored(tmp_path):
+    tier = StateTier(str(tmp_path), rank=1)
+    tier.save(7, {"w": jnp.ones(2)})
+    tier.close()
+    assert StateTier(str(tmp_path), rank=0).resume({"w": jnp.ones(3)}) is None
+    assert StateTier(None).resume({"w": jnp.ones(3)}) is None  # no directory: disabled
+
+
+def test_stop_step_is_read_from_the_agents_file(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0)
+    assert tier.stop_step() is None
+    _write_atomic(str(tmp_path / "stop"), b"12")
+    assert tier.stop_step() == 12
+
+
+def test_hang_detector_names_the_silent_rank_once_armed(tmp_path):
+    now = [0.0]
+    det = HangDetector(str(tmp_path), {0: 100, 1: os.getpid()}, timeout_s=5,
+                       clock=lambda: now[0])
+    assert det.check([0, 1]) == []  # nothing reported: compilation may take any time
+    for t, steps in [(1.0, (1, 1)), (2.0, (2, 1)), (4.0, (3, 1)), (6.5, (4, 1))]:
+        now[0] = t
+        for rank, s in enumerate(steps):
+            _write_atomic(heartbeat_path(str(tmp_path), rank), f"{s} 0".encode())
+        hung = det.check([0, 1])
+    assert [(h.rank, h.last_step) for h in hung] == [(1, 1)]
+    assert hung[0].silent_s == pytest.approx(5.5)
+
+
+def test_adaptive_hang_timeout_is_a_multiple_of_the_step_time_within_bounds(tmp_path):
+    now = [0.0]
+    det = HangDetector(str(tmp_path), {0: 1}, clock=lambda: now[0])
+    for k in range(1, 5):
+        now[0] = 10.0 * k
+        _write_atomic(heartbeat_path(str(tmp_path), 0), f"{k} 0".encode())
+        det.check([0])
+    assert det.timeout_s == 300.0  # 50 x 10 s, capped
+    assert np.isclose(det.median_step_s(), 10.0)
+
+
+def test_rendezvous_store_namespaces_jobs_and_reports_ages():
+    server, port = serve("127.0.0.1:0")
+    try:
+        a = RendezvousClient(f"127.0.0.1:{port}", "job-a")
+        b = RendezvousClient(f"127.0.0.1:{port}", "job-b")
+        a.set("alive/x", 1)
+        assert b.get("alive/x") is None
+        assert a.set_if_absent("drain", 9) == 9 and b.set_if_absent("drain", 4) == 4
+        assert a.set_if_absent("drain", 11) == 9  # the first request wins
+        (value, age), = a.list("alive/").values()
+        assert value == 1 and 0 <= age < 5
+        assert serve(f"127.0.0.1:{port}") is None  # a second agent becomes a client
+    finally:
+        server.stop(0)
+    with pytest.raises(RendezvousError, match="rendezvous store at"):
+        RendezvousClient(f"127.0.0.1:{port}", "job-a", timeout_s=0.5).get("x")
+
+
+def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    import tempfile
+
+    from jaxdist import launch
+
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else
+                        os.path.exists(p) and not os.path.isfile(p))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    (tmp_path / f"jaxdist-state-{dead}-abc").mkdir()
+    (tmp_path / f"jaxdist-state-{os.getpid()}-def").mkdir()
+    made = launch._make_state_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"jaxdist-state-{os.getpid()}-def", os.path.basename(made)])
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
