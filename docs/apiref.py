@@ -16,7 +16,7 @@ import os
 import types
 
 # Public modules that ``jaxdist.__all__`` does not name (imported as ``jaxdist.plan`` etc.).
-EXTRA_MODULES = ("jaxdist.plan", "jaxdist.evaluator")
+EXTRA_MODULES = ("jaxdist.plan", "jaxdist.evaluator", "jaxdist.memstate")
 
 
 def public_names(module: types.ModuleType) -> list[str]:

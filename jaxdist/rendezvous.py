@@ -11,13 +11,19 @@ Why not JAX's own coordination service: its clients' ``connect`` waits until a f
 tasks have registered, and a task that stops heartbeating is reported as a fatal error to every
 other task; elastic membership (tasks leaving and arriving) is exactly what it does not model.
 
-Like torchrun's store, it has no authentication: run it on a trusted network. Keys are namespaced
-by the rendezvous id, so jobs sharing an endpoint do not mix.
+Like torchrun's store it needs no authentication, so by default run it on a trusted network; with
+``JAXDIST_RDZV_TOKEN`` set (the same value on every host) each call must carry that token (compared
+in constant time) or is refused. Whatever arrives is treated as hostile: a request is at most
+``MAX_REQUEST_BYTES``, keys are strings of at most ``MAX_KEY_CHARS``, the store holds at most
+``MAX_KEYS`` keys, and JSON's ``NaN`` / ``Infinity`` are refused. Keys are namespaced by the
+rendezvous id, so jobs sharing an endpoint do not mix.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import threading
 import time
 from concurrent import futures
@@ -26,6 +32,26 @@ from typing import Any
 import grpc
 
 _SERVICE = "jaxdist.Rendezvous"
+ENV_TOKEN = "JAXDIST_RDZV_TOKEN"
+MAX_REQUEST_BYTES = 64 * 1024
+"""The largest request the store reads (a key and a small JSON value)."""
+MAX_KEY_CHARS = 512
+MAX_KEYS = 4096
+"""Keys the store holds at most; a new key past this is refused (agents use a few per host)."""
+
+
+def _no_constants(name: str):
+    raise ValueError(f"non-finite number {name} in a rendezvous message")
+
+
+def _decode(request: bytes) -> dict:
+    req = json.loads(request, parse_constant=_no_constants)
+    if not isinstance(req, dict):
+        raise ValueError("a rendezvous request is a JSON object")
+    for field in ("key", "prefix"):
+        if field in req and not (isinstance(req[field], str) and len(req[field]) <= MAX_KEY_CHARS):
+            raise ValueError(f"{field} must be a string of at most {MAX_KEY_CHARS} characters")
+    return req
 
 
 class RendezvousError(RuntimeError):
@@ -40,6 +66,9 @@ class _Store:
     def handle(self, method: str, req: dict) -> Any:
         now = time.monotonic()
         with self._lock:
+            if method in ("set", "set_if_absent") and req["key"] not in self._data \
+                    and len(self._data) >= MAX_KEYS:
+                raise OverflowError(f"the store holds {MAX_KEYS} keys already")
             if method == "set":
                 self._data[req["key"]] = (req["value"], now)
                 return True
@@ -59,8 +88,10 @@ class _Store:
         raise ValueError(f"unknown method {method!r}")
 
 
-def serve(address: str) -> tuple[grpc.Server, int] | None:
+def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] | None:
     """Serves a store on ``address`` (``host:port``); None if the port is taken (another agent).
+
+    ``token`` (default: ``$JAXDIST_RDZV_TOKEN``, if set) is required of every call.
 
     >>> server, port = serve("127.0.0.1:0")
     >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
@@ -69,11 +100,20 @@ def serve(address: str) -> tuple[grpc.Server, int] | None:
     >>> _ = server.stop(0)
     """
     store = _Store()
+    token = token if token is not None else os.environ.get(ENV_TOKEN)
 
     def handler(method):
         def call(request: bytes, context) -> bytes:
+            if token:
+                sent = dict(context.invocation_metadata()).get("x-jaxdist-rdzv-token", "")
+                if not hmac.compare_digest(sent.encode(), token.encode()):
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                  f"wrong or missing rendezvous token (set {ENV_TOKEN} alike on "
+                                  "every host)")
             try:
-                return json.dumps(store.handle(method, json.loads(request))).encode()
+                return json.dumps(store.handle(method, _decode(request))).encode()
+            except OverflowError as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return grpc.unary_unary_rpc_method_handler(call)
@@ -82,7 +122,8 @@ def serve(address: str) -> tuple[grpc.Server, int] | None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          handlers=[grpc.method_handlers_generic_handler(
                              _SERVICE, {m: handler(m) for m in methods})],
-                         options=[("grpc.so_reuseport", 0)])
+                         options=[("grpc.so_reuseport", 0),
+                                  ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:
@@ -101,10 +142,14 @@ class RendezvousClient:
       address: the store's ``host:port``.
       rdzv_id: the job's rendezvous id.
       timeout_s: deadline of each call.
+      token: sent with every call (default: ``$JAXDIST_RDZV_TOKEN``, if set).
     """
 
-    def __init__(self, address: str, rdzv_id: str, *, timeout_s: float = 5.0):
+    def __init__(self, address: str, rdzv_id: str, *, timeout_s: float = 5.0,
+                 token: str | None = None):
         self.address = address
+        token = token if token is not None else os.environ.get(ENV_TOKEN)
+        self._metadata = (("x-jaxdist-rdzv-token", token),) if token else None
         self._prefix = f"{rdzv_id}/"
         self._timeout = timeout_s
         self._channel = grpc.insecure_channel(address, options=[
@@ -117,11 +162,12 @@ class RendezvousClient:
             self._stubs[method] = self._channel.unary_unary(f"/{_SERVICE}/{method}")
         try:
             reply = self._stubs[method](json.dumps(req).encode(),
-                                        timeout=timeout_s or self._timeout, wait_for_ready=True)
+                                        timeout=timeout_s or self._timeout, wait_for_ready=True,
+                                        metadata=self._metadata)
         except grpc.RpcError as e:
             raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
                                   f"{e.code().name}: {e.details()}") from None
-        return json.loads(reply)
+        return json.loads(reply, parse_constant=_no_constants)
 
     def set(self, key: str, value: Any) -> None:
         """Sets ``key`` (JSON-serialisable value)."""

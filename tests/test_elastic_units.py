@@ -119,3 +119,38 @@ def subprocess_pid_that_exited() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch):
+    import grpc
+
+    from jaxdist import rendezvous
+
+    server, port = serve("127.0.0.1:0", token="s3cret")
+    try:
+        addr = f"127.0.0.1:{port}"
+        good = RendezvousClient(addr, "job", token="s3cret")
+        good.set("k", 1)
+        assert good.get("k") == 1
+        with pytest.raises(RendezvousError, match="UNAUTHENTICATED"):
+            RendezvousClient(addr, "job", token="wrong").get("k")
+        with pytest.raises(RendezvousError, match="UNAUTHENTICATED"):
+            RendezvousClient(addr, "job", token="").get("k")
+        with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):  # before it is decoded
+            good.set("big", "x" * (rendezvous.MAX_REQUEST_BYTES + 1))
+        with pytest.raises(RendezvousError, match="at most"):
+            good.set("k" * (rendezvous.MAX_KEY_CHARS + 1), 1)
+        channel = grpc.insecure_channel(addr)
+        raw = channel.unary_unary("/jaxdist.Rendezvous/set")
+        for body in (b'{"key": "job/n", "value": NaN}', b"[1, 2]", b"not json"):
+            with pytest.raises(grpc.RpcError) as e:
+                raw(body, timeout=5, metadata=(("x-jaxdist-rdzv-token", "s3cret"),))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, body
+        channel.close()
+        monkeypatch.setattr(rendezvous, "MAX_KEYS", 3)
+        good.set("a", 1)
+        with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):
+            good.set("b", 1); good.set("c", 1)
+        good.set("a", 2)  # an existing key may still change
+    finally:
+        server.stop(0)
