@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jaxdist._ckpt_integrity import (CompleteSteps, DigestsHandler, DigestsRestore, DigestsSave,
                                      Pending,
                                      meta_checksum)
-from jaxdist._digest import dispatch_digests, tree_digests
+from jaxdist._digest import dispatch_digests, path_name, tree_digests
 from jaxdist._types import PyTree
 from jaxdist.values import has_per_replica, is_static_leaf
 
@@ -62,20 +62,6 @@ class CheckpointMismatchError(CheckpointError):
     """
 
 
-def _path_name(path) -> str:
-    """A leaf's path with container kinds erased (a TrainState's ``.params`` and a restored
-    dict's ``['params']`` name the same leaf)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def _leaf_specs(tree: PyTree) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
     out = {}
@@ -83,7 +69,7 @@ def _leaf_specs(tree: PyTree) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
         dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
         # 64-bit values saved without x64 restore into their 32-bit twins: not a difference
-        out[_path_name(path)] = (shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
+        out[path_name(path)] = (shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
     return out
 
 
