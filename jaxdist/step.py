@@ -48,7 +48,10 @@ class InFlight:
     def add(self, keep: PyTree, consumed: PyTree) -> None:
         """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
         self._calls += 1
-        handle = next((x for x in jax.tree.leaves(keep) if isinstance(x, jax.Array)), None)
+        # The first leaf that can be waited for (static leaves, an Equinox module's functions
+        # say, cannot).
+        handle = next((x for x in jax.tree.leaves(keep) if hasattr(x, "block_until_ready")),
+                      None)
         if handle is None:
             if self._calls % self.max_in_flight == 0:
                 jax.block_until_ready(consumed)
