@@ -91,14 +91,19 @@ def _differences(saved: PyTree, target: PyTree, limit: int = 6) -> list[str]:
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def _abstract(target: PyTree, strategy: "Strategy | None") -> PyTree:
+def _abstract(target: PyTree, strategy: "Strategy | None", full: PyTree = None) -> PyTree:
     """Shapes, dtypes and the shardings to restore into (the target strategy's, if given).
 
     Without a strategy each leaf keeps the sharding it has (a ``jax.Array`` or a
     ``ShapeDtypeStruct`` with one), else goes to this process's first device.
     """
     if strategy is not None:
-        shardings = strategy.layout.state_shardings(target)
+        if full is None:
+            shardings = strategy.layout.state_shardings(target)
+        else:  # target is full's array leaves: their places are decided on the whole state
+            shardings = [sh for x, sh in zip(jax.tree.leaves(full),
+                                             jax.tree.leaves(strategy.layout.state_shardings(full)))
+                         if not is_static_leaf(x)]
     else:
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
@@ -468,12 +473,13 @@ class CheckpointManager:
         others = [s for s in self.all_steps() if s != step]
         hint = f"steps you can try instead: {others or 'none'}"
         out, error = None, None
+        full = target
         target, statics = _array_part(target)  # restored arrays go back beside them at the end
         try:
             if target is None:
                 target = self._saved_tree(step)
             out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target, strategy))))["state"]
+                state=ocp.args.StandardRestore(_abstract(target, strategy, full if statics is not None else None))))["state"]
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
             error = e
         # Across processes a file may fail on one only: all fall back together, never split.

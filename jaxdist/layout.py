@@ -148,7 +148,8 @@ class Layout:
             return self.state_tree_sharding(tree)
         return jax.tree.map(self.leaf_sharding, tree)
 
-    def _leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
+    def leaf_targets(self, leaves: list, treedef: Any, tree: PyTree) -> list:
+        """Where each of ``tree``'s flattened ``leaves`` lives between steps, in leaf order."""
         rule = self.state_tree_sharding
         if rule is None:
             return [self.leaf_sharding(x) for x in leaves]
@@ -161,8 +162,9 @@ class Layout:
         """True when every leaf already lives where state lives: the steady state of a loop, a
         step's output fed straight back in. Much cheaper than rebuilding the tree."""
         leaves, treedef = jax.tree.flatten(tree)
-        return all((isinstance(x, jax.Array) and x.sharding is t) or is_static_leaf(x)
-                   for x, t in zip(leaves, self._leaf_targets(leaves, treedef, tree)))
+        return all((isinstance(x, jax.Array) and (x.sharding is t or x.sharding == t))
+                   or is_static_leaf(x)
+                   for x, t in zip(leaves, self.leaf_targets(leaves, treedef, tree)))
 
     def put_state(self, tree: PyTree) -> PyTree:
         """Every leaf placed where state lives; leaves already there are kept (a step may donate
@@ -170,7 +172,7 @@ class Layout:
         if self.is_placed(tree):
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        targets = self._leaf_targets(leaves, treedef, tree)
+        targets = self.leaf_targets(leaves, treedef, tree)
         # Only a leaf on exactly the target sharding is kept: it is what a step returned, so the
         # next step may donate it. A user's array on an equivalent sharding (a single-device array
         # on a one-device mesh) is copied, or donation would delete the caller's own array.

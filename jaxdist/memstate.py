@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxdist._types import PyTree
+from jaxdist.values import is_static_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +182,9 @@ class StateTier:
         self._written.wait()
         if self._error is not None:
             raise RuntimeError(f"the in-memory state tier failed to write: {self._error}")
+        copy = _copy_tree(_arrays(state))  # may raise: before clear(), or close() would hang
         self._written.clear()
-        self._queue.put((int(step), _copy_tree(state),
-                         None if data_state is None else dict(data_state)))
+        self._queue.put((int(step), copy, None if data_state is None else dict(data_state)))
 
     def stop_step(self) -> int | None:
         """The step at which the elastic agent asked the job to stop (to re-form), or None.
@@ -270,7 +271,14 @@ class StateTier:
         if self.directory is None or not _supported(target):
             return None
         local = self.newest_local()
-        tleaves, treedef = jax.tree.flatten(target)
+        full_leaves, full_def = jax.tree.flatten(target)
+        tleaves = _arrays(target)
+        treedef = jax.tree.structure(tleaves)
+
+        def rebuild(arrays):  # static leaves (an Equinox module's functions) back in place
+            it = iter(jax.tree.leaves(arrays))
+            return jax.tree.unflatten(full_def, [x if is_static_leaf(x) else next(it)
+                                                 for x in full_leaves])
         loaded = None
         if local is not None:
             try:
@@ -290,7 +298,7 @@ class StateTier:
         source = int(np.argmax(steps))
         if bool(np.all(steps == best)):  # every process holds it: no broadcast needed
             _, leaves, data = loaded
-            state = jax.tree.unflatten(treedef, list(leaves))
+            state = rebuild(list(leaves))
             state = strategy.put(state) if strategy is not None else _like(state, target)
             logger.info("resuming from step %d held in memory by every process", best)
             return Snapshot(best, state, data, jax.process_index())
@@ -307,7 +315,7 @@ class StateTier:
 
             leaves, position = multihost_utils.broadcast_one_to_all((leaves, position),
                                                                     is_source=is_source)
-        state = jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+        state = rebuild([np.asarray(x) for x in leaves])
         state = strategy.put(state) if strategy is not None else _like(state, target)
         position = [int(v) for v in np.asarray(position)]
         data = None if position[0] < 0 else {"epoch": position[0], "position": position[1]}
@@ -323,6 +331,10 @@ class StateTier:
             self._thread = None
 
 
+def _arrays(tree: PyTree) -> list:
+    return [x for x in jax.tree.leaves(tree) if not is_static_leaf(x)]
+
+
 def _dtype(x: Any):
     # A Python scalar leaf (a fresh TrainState's step is 0) becomes JAX's default dtype in a step.
     return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
@@ -330,7 +342,7 @@ def _dtype(x: Any):
 
 def _like(state: PyTree, target: PyTree) -> PyTree:
     def place(x, t):
-        if isinstance(t, jax.Array):
+        if isinstance(t, jax.Array) and not is_static_leaf(x):
             return jax.device_put(x, t.sharding)
         return x
     return jax.tree.map(place, state, target)

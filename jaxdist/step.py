@@ -69,6 +69,15 @@ class InFlight:
                 old.block_until_ready()
 
 
+def _shape_key(layout: Any, leaves: list) -> tuple | None:
+    """Part of a compiled step's cache key: where a state leaf lives may depend on its shape and
+    dtype (``zero_stage``'s rule, CentralStorage's divisibility), and a compiled step's shardings
+    were fixed for the first state it saw; with the default (replicated) placement it does not."""
+    if layout.state_sharding is None and layout.state_tree_sharding is None:
+        return None
+    return tuple((x.shape, x.dtype) for x in leaves)
+
+
 def _same_layout(a: PyTree, b: PyTree) -> bool:
     """True when ``b`` could be stored in ``a``'s buffers (same structure, shapes and dtypes)."""
     if jax.tree.structure(a) != jax.tree.structure(b):
@@ -130,8 +139,8 @@ class DistributedStep:
         mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
         leaves, treedef = jax.tree.flatten(state)
         if not all(isinstance(x, jax.Array) for x in leaves):  # placed: the rest are static
-            return self._call_static(leaves, treedef, batch, mask_at)
-        key = (treedef, jax.tree.structure(batch), mask_at)
+            return self._call_static(state, leaves, treedef, batch, mask_at)
+        key = (treedef, jax.tree.structure(batch), mask_at, _shape_key(layout, leaves))
         entry = self._compiled.get(key)
         if entry is None:
             entry = self._compiled[key] = self._build(state, batch)
@@ -161,7 +170,13 @@ class DistributedStep:
         state = self.strategy.put(state)
         batch = layout.put_batch(batch)
         mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
-        key = (jax.tree.structure(state), jax.tree.structure(batch), mask_at)
+        leaves, treedef = jax.tree.flatten(state)
+        if not all(isinstance(x, jax.Array) for x in leaves):
+            raise NotImplementedError(
+                "DistributedStep.lower: this state holds static (non-array) leaves; lower a "
+                "state of its array leaves only (eqx.partition / nnx.split), which compiles the "
+                "same collectives")
+        key = (treedef, jax.tree.structure(batch), mask_at, _shape_key(layout, leaves))
         entry = self._compiled.get(key)
         if entry is None:
             entry = self._compiled[key] = self._build(state, batch)
@@ -189,7 +204,7 @@ class DistributedStep:
                        donate_argnums=(0,) if donates else ()), keeps_state
 
     # --- states with static leaves (Equinox modules, NNX graphs, functions) ------------------------
-    def _call_static(self, leaves: list, treedef: Any, batch: PyTree, mask_at: Any):
+    def _call_static(self, state: PyTree, leaves: list, treedef: Any, batch: PyTree, mask_at: Any):
         """Runs a step on a state holding static leaves: only its arrays enter the compiled step
         (as ``eqx.filter_jit`` does); static leaves are compiled in, and the step's outputs get
         their static leaves back from the trace."""
@@ -198,11 +213,13 @@ class DistributedStep:
         statics = tuple(leaves[i] for i in static_at)
         arrays = [x for x in leaves if isinstance(x, jax.Array)]
         key = ("static", treedef, static_at, tuple(StaticKey(v) for v in statics),
-               jax.tree.structure(batch), mask_at)
+               jax.tree.structure(batch), mask_at, _shape_key(layout, arrays))
         entry = self._compiled.get(key)
         if entry is None:
+            targets = layout.leaf_targets(leaves, treedef, state)
+            array_sh = [t for x, t in zip(leaves, targets) if isinstance(x, jax.Array)]
             entry = self._compiled[key] = self._build_static(treedef, static_at, statics, arrays,
-                                                             batch)
+                                                             batch, array_sh)
         compiled, keeps_state, n_state, rebuild = entry
         with replica.enter(layout.context(per_replica=False)):
             flat = compiled(arrays, batch)
@@ -212,7 +229,7 @@ class DistributedStep:
             self._in_flight.add(flat, ())
         return rebuild(flat)
 
-    def _build_static(self, treedef, static_at, statics, arrays, batch):
+    def _build_static(self, treedef, static_at, statics, arrays, batch, array_sh):
         layout = self.strategy.layout
         fn = layout.adapt_step(self._fn)
         found: dict[str, Any] = {}
@@ -241,7 +258,6 @@ class DistributedStep:
                 raise
         keeps, n_state, out_def, out_statics = (found["keeps"], found["n_state"],
                                                 found["out_def"], found["statics"])
-        array_sh = [layout.leaf_sharding(x) for x in arrays]
         n_out = out_def.num_leaves - len(out_statics)
         out_sh = (array_sh if keeps else []) + [layout.replicated] * (n_out - n_state)
         donates = self._donate and keeps
