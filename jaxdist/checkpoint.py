@@ -478,8 +478,9 @@ class CheckpointManager:
         try:
             if target is None:
                 target = self._saved_tree(step)
+            abstract = _abstract(target, strategy, full if statics is not None else None)
             out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target, strategy, full if statics is not None else None))))["state"]
+                state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:  # orbax/tensorstore raise many types; name the step either way
             error = e
         # Across processes a file may fail on one only: all fall back together, never split.
