@@ -42,7 +42,7 @@ from jaxdist._ckpt_integrity import (CompleteSteps, DigestsHandler, DigestsResto
                                      meta_checksum)
 from jaxdist._digest import dispatch_digests, path_name, tree_digests
 from jaxdist._types import PyTree
-from jaxdist.values import has_per_replica, is_static_leaf
+from jaxdist.values import has_per_replica, is_static_leaf, join_static, split_static
 
 if TYPE_CHECKING:
     from jaxdist.strategy.base import Strategy
@@ -187,19 +187,12 @@ def _release(directory: str) -> None:
 
 def _array_part(tree: PyTree) -> tuple[PyTree, Any]:
     """A state with static leaves (an Equinox module's functions, say) as the list of its array
-    leaves, which is what is saved, and what is needed to put it back; other states as they are."""
+    leaves, which is what is saved, and what ``join_static`` needs to put it back; other states
+    as they are."""
     if tree is None:
         return tree, None
-    leaves, treedef = jax.tree.flatten(tree)
-    if not any(is_static_leaf(x) for x in leaves):
-        return tree, None
-    return [x for x in leaves if not is_static_leaf(x)], (treedef, leaves)
-
-
-def _with_statics(arrays: list, statics: Any) -> PyTree:
-    treedef, leaves = statics
-    it = iter(arrays)
-    return jax.tree.unflatten(treedef, [x if is_static_leaf(x) else next(it) for x in leaves])
+    arrays, treedef, statics = split_static(tree)
+    return (tree, None) if not statics else (arrays, (treedef, statics))
 
 
 def _all_agree(ok: bool) -> bool:
@@ -496,7 +489,7 @@ class CheckpointManager:
                 f"files are damaged, restore another one ({hint})") from error
         if self.verify:
             self._verify(step, out, hint, target)
-        return out if statics is None else _with_statics(out, statics)
+        return out if statics is None else join_static(*statics, out)
 
     def _check_target(self, step: int, target: PyTree) -> None:
         """Raises ``CheckpointMismatchError`` when ``target`` differs from step's saved tree.

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxdist._types import PyTree
-from jaxdist.values import is_static_leaf
+from jaxdist.values import is_static_leaf, join_static, split_static
 
 logger = logging.getLogger(__name__)
 
@@ -271,14 +271,7 @@ class StateTier:
         if self.directory is None or not _supported(target):
             return None
         local = self.newest_local()
-        full_leaves, full_def = jax.tree.flatten(target)
-        tleaves = _arrays(target)
-        treedef = jax.tree.structure(tleaves)
-
-        def rebuild(arrays):  # static leaves (an Equinox module's functions) back in place
-            it = iter(jax.tree.leaves(arrays))
-            return jax.tree.unflatten(full_def, [x if is_static_leaf(x) else next(it)
-                                                 for x in full_leaves])
+        tleaves, treedef, statics = split_static(target)
         loaded = None
         if local is not None:
             try:
@@ -295,31 +288,20 @@ class StateTier:
         best = int(steps.max())
         if best < 0:
             return None
-        source = int(np.argmax(steps))
-        if bool(np.all(steps == best)):  # every process holds it: no broadcast needed
-            _, leaves, data = loaded
-            state = rebuild(list(leaves))
-            state = strategy.put(state) if strategy is not None else _like(state, target)
-            logger.info("resuming from step %d held in memory by every process", best)
-            return Snapshot(best, state, data, jax.process_index())
-        is_source = jax.process_index() == source
-        if is_source:
+        everyone = bool(np.all(steps == best))
+        if everyone:  # every process holds it: no broadcast needed
+            source = jax.process_index()
             _, leaves, data = loaded
         else:
-            leaves = [np.zeros(np.shape(t), _dtype(t)) for t in tleaves]
-            data = None
-        position = np.array([-1, -1] if data is None else [data["epoch"], data["position"]],
-                            np.int64)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            leaves, position = multihost_utils.broadcast_one_to_all((leaves, position),
-                                                                    is_source=is_source)
-        state = rebuild([np.asarray(x) for x in leaves])
+            source = int(np.argmax(steps))
+            leaves, data = _from_source(loaded, tleaves, jax.process_index() == source)
+        # static leaves (an Equinox module's functions) go back in place
+        state = join_static(treedef, statics, [np.asarray(x) for x in leaves])
         state = strategy.put(state) if strategy is not None else _like(state, target)
-        position = [int(v) for v in np.asarray(position)]
-        data = None if position[0] < 0 else {"epoch": position[0], "position": position[1]}
-        logger.info("resuming from step %d held in memory by process %d", best, source)
+        if everyone:
+            logger.info("resuming from step %d held in memory by every process", best)
+        else:
+            logger.info("resuming from step %d held in memory by process %d", best, source)
         return Snapshot(best, state, data, source)
 
     def close(self) -> None:
@@ -332,7 +314,25 @@ class StateTier:
 
 
 def _arrays(tree: PyTree) -> list:
-    return [x for x in jax.tree.leaves(tree) if not is_static_leaf(x)]
+    return split_static(tree)[0]
+
+
+def _from_source(loaded: tuple | None, tleaves: list, is_source: bool) -> tuple[list, dict | None]:
+    """The source process's snapshot leaves and input position, on every process (a broadcast
+    over the job's network: a process without the step gets it from the one that has it)."""
+    if is_source:
+        _, leaves, data = loaded
+    else:
+        leaves = [np.zeros(np.shape(t), _dtype(t)) for t in tleaves]
+        data = None
+    position = np.array([-1, -1] if data is None else [data["epoch"], data["position"]],
+                        np.int64)
+    from jax.experimental import multihost_utils
+
+    leaves, position = multihost_utils.broadcast_one_to_all((leaves, position),
+                                                            is_source=is_source)
+    position = [int(v) for v in np.asarray(position)]
+    return leaves, None if position[0] < 0 else {"epoch": position[0], "position": position[1]}
 
 
 def _dtype(x: Any):

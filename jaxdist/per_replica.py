@@ -26,7 +26,8 @@ from jaxdist._types import PyTree
 from jaxdist.layout import Layout, place_all, placed_on
 from jaxdist.replica import ReduceOp
 from jaxdist.step import InFlight, returns_state
-from jaxdist.values import Batch, PerReplica, explain_batch_error, is_per_replica, is_static_leaf
+from jaxdist.values import (Batch, PerReplica, explaining_batch_errors, is_per_replica, join_static,
+                            split_leaves)
 
 logger = logging.getLogger(__name__)
 
@@ -302,9 +303,10 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
         leaves, out_def = jax.tree.flatten(out)
         # Static leaves (an Equinox module's functions in a returned state) leave the program
         # beside it, not through it: only arrays can.
+        leaves, statics_here = split_leaves(leaves)
         out_statics.clear()
-        out_statics.update((i, x) for i, x in enumerate(leaves) if is_static_leaf(x))
-        leaves = [jnp.asarray(x) for x in leaves if not is_static_leaf(x)]
+        out_statics.update(statics_here)
+        leaves = [jnp.asarray(x) for x in leaves]
         out_ranks[:] = [x.ndim for x in leaves]
         # A value of rank >= 1 leaves as its replica's block of a concatenation (no reshape: see
         # PerReplica); only scalars gain the leading replica axis.
@@ -325,34 +327,27 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
             PerReplica._from_blocks(x, n) if rank else PerReplica(x)
             for x, rank in zip(leaves, out_ranks)])
 
-    with replica.enter(layout.context(per_replica=True)):
-        try:
-            jax.eval_shape(mapped, *values)
-        except (TypeError, AttributeError, ValueError) as e:
-            explain_batch_error(e, next((v for v in values if type(v) is Batch), None))
-            raise
+    batch = next((v for v in values if type(v) is Batch), None)
+    with replica.enter(layout.context(per_replica=True)), explaining_batch_errors(batch):
+        jax.eval_shape(mapped, *values)
     keeps_state = traced_returns_state[-1]
-    if out_statics:  # the program returns the arrays; the output tree is rebuilt around them
-        out_def, statics_at = out_defs[0], dict(out_statics)
-        compiled = jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state))
-
-        def with_statics(*vals):
-            it = iter(compiled(*vals))
-            return jax.tree.unflatten(out_def, [statics_at[i] if i in statics_at else next(it)
-                                                for i in range(out_def.num_leaves)])
-
-        with_statics.lower = compiled.lower
-        return with_statics, keeps_state
-    return jax.jit(program, donate_argnums=_donated(kinds, num_first, keeps_state)), keeps_state
-
-
-def _donated(kinds: tuple[str, ...], num_first: int, keeps_state: bool) -> tuple[int, ...]:
-    """The per-replica state (the PerReplica leaves of the first argument) is donated when the
-    function hands back a new state in its place: its buffers hold the new state."""
+    # The per-replica state (the PerReplica leaves of the first argument) is donated when the
+    # function hands back a new state in its place: its buffers hold the new state.
     value_kinds = [k for k in kinds if k != _STATIC]
     first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
-    return tuple(i for i in range(first_values)
-                 if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
+    donate = tuple(i for i in range(first_values)
+                   if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
+    compiled = jax.jit(program, donate_argnums=donate)
+    if not out_statics:
+        return compiled, keeps_state
+    # The program returns the arrays; the output tree is rebuilt around them.
+    out_def, statics_at = out_defs[0], dict(out_statics)
+
+    def with_statics(*vals):
+        return join_static(out_def, statics_at, compiled(*vals))
+
+    with_statics.lower = compiled.lower
+    return with_statics, keeps_state
 
 
 # --- reading per-replica values --------------------------------------------------------------------

@@ -12,7 +12,8 @@ import numpy as np
 
 from jaxdist import replica
 from jaxdist._types import PyTree
-from jaxdist.values import Batch, StaticKey, explain_batch_error, is_static_leaf
+from jaxdist.values import (Batch, StaticKey, explaining_batch_errors, is_static_leaf, join_static,
+                            split_leaves, split_static)
 
 MAX_IN_FLIGHT = 32
 """The most steps a loop may keep queued: on XLA:CPU with several devices, ~100 queued steps with
@@ -132,19 +133,32 @@ class DistributedStep:
         with self.strategy.layout.mesh_context():
             return self._call(state, batch)
 
-    def _call(self, state: PyTree, batch: PyTree, /):
+    def _placed(self, state: PyTree, batch: PyTree):
+        """State and batch placed the strategy's way, the state's leaves and treedef, and where
+        the batch's mask lives: what a call and ``lower`` both start from."""
         layout = self.strategy.layout
         state = self.strategy.put(state)
         batch = layout.put_batch(batch)  # a Batch or a raw pytree: every leaf on the batch axis
         mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
         leaves, treedef = jax.tree.flatten(state)
-        if not all(isinstance(x, jax.Array) for x in leaves):  # placed: the rest are static
-            return self._call_static(state, leaves, treedef, batch, mask_at)
-        key = (treedef, jax.tree.structure(batch), mask_at, _shape_key(layout, leaves))
+        return state, batch, leaves, treedef, mask_at
+
+    def _entry(self, state: PyTree, batch: PyTree, leaves: list, treedef: Any,
+               mask_at: Any) -> tuple[Callable, bool]:
+        """The compiled step for an all-array ``state`` (compiled on first use)."""
+        key = (treedef, jax.tree.structure(batch), mask_at,
+               _shape_key(self.strategy.layout, leaves))
         entry = self._compiled.get(key)
         if entry is None:
             entry = self._compiled[key] = self._build(state, batch)
-        compiled, keeps_state = entry
+        return entry
+
+    def _call(self, state: PyTree, batch: PyTree, /):
+        layout = self.strategy.layout
+        state, batch, leaves, treedef, mask_at = self._placed(state, batch)
+        if not all(isinstance(x, jax.Array) for x in leaves):  # placed: the rest are static
+            return self._call_static(state, leaves, treedef, batch, mask_at)
+        compiled, keeps_state = self._entry(state, batch, leaves, treedef, mask_at)
         with replica.enter(layout.context(per_replica=False)):
             out = compiled(state, batch)
         if keeps_state:
@@ -166,34 +180,22 @@ class DistributedStep:
         Returns:
           A ``jax.stages.Lowered``.
         """
-        layout = self.strategy.layout
-        state = self.strategy.put(state)
-        batch = layout.put_batch(batch)
-        mask_at = layout.mask_sharding(batch.mask) if isinstance(batch, Batch) else None
-        leaves, treedef = jax.tree.flatten(state)
+        state, batch, leaves, treedef, mask_at = self._placed(state, batch)
         if not all(isinstance(x, jax.Array) for x in leaves):
             raise NotImplementedError(
                 "DistributedStep.lower: this state holds static (non-array) leaves; lower a "
                 "state of its array leaves only (eqx.partition / nnx.split), which compiles the "
                 "same collectives")
-        key = (treedef, jax.tree.structure(batch), mask_at, _shape_key(layout, leaves))
-        entry = self._compiled.get(key)
-        if entry is None:
-            entry = self._compiled[key] = self._build(state, batch)
-        with replica.enter(layout.context(per_replica=False)):
-            return entry[0].lower(state, batch)
+        with replica.enter(self.strategy.layout.context(per_replica=False)):
+            return self._entry(state, batch, leaves, treedef, mask_at)[0].lower(state, batch)
 
     def _build(self, state: PyTree, batch: PyTree) -> tuple[Callable, bool]:
         layout = self.strategy.layout
         state_sh = layout.state_shardings(state)
         batch_sh = layout.batch_shardings(batch)
         fn = layout.adapt_step(self._fn)
-        with replica.enter(layout.context(per_replica=False)):
-            try:
-                out = jax.eval_shape(fn, state, batch)
-            except (TypeError, AttributeError, ValueError) as e:
-                explain_batch_error(e, batch)
-                raise
+        with replica.enter(layout.context(per_replica=False)), explaining_batch_errors(batch):
+            out = jax.eval_shape(fn, state, batch)
         keeps_state = returns_state(state, out)
         if keeps_state:
             out_sh = (state_sh, jax.tree.map(lambda _: layout.replicated, out[1]))
@@ -209,17 +211,15 @@ class DistributedStep:
         (as ``eqx.filter_jit`` does); static leaves are compiled in, and the step's outputs get
         their static leaves back from the trace."""
         layout = self.strategy.layout
-        static_at = tuple(i for i, x in enumerate(leaves) if not isinstance(x, jax.Array))
-        statics = tuple(leaves[i] for i in static_at)
-        arrays = [x for x in leaves if isinstance(x, jax.Array)]
-        key = ("static", treedef, static_at, tuple(StaticKey(v) for v in statics),
+        arrays, statics = split_leaves(leaves)  # placed: every other leaf is a jax.Array
+        key = ("static", treedef, tuple(statics), tuple(StaticKey(v) for v in statics.values()),
                jax.tree.structure(batch), mask_at, _shape_key(layout, arrays))
         entry = self._compiled.get(key)
         if entry is None:
             targets = layout.leaf_targets(leaves, treedef, state)
-            array_sh = [t for x, t in zip(leaves, targets) if isinstance(x, jax.Array)]
-            entry = self._compiled[key] = self._build_static(treedef, static_at, statics, arrays,
-                                                             batch, array_sh)
+            array_sh = [t for i, t in enumerate(targets) if i not in statics]
+            entry = self._compiled[key] = self._build_static(treedef, statics, arrays, batch,
+                                                             array_sh)
         compiled, keeps_state, n_state, rebuild = entry
         with replica.enter(layout.context(per_replica=False)):
             flat = compiled(arrays, batch)
@@ -229,33 +229,22 @@ class DistributedStep:
             self._in_flight.add(flat, ())
         return rebuild(flat)
 
-    def _build_static(self, treedef, static_at, statics, arrays, batch, array_sh):
+    def _build_static(self, treedef, statics, arrays, batch, array_sh):
         layout = self.strategy.layout
         fn = layout.adapt_step(self._fn)
         found: dict[str, Any] = {}
 
-        def merged(arrays_in):
-            it, consts = iter(arrays_in), dict(zip(static_at, statics))
-            return jax.tree.unflatten(treedef, [consts[i] if i in consts else next(it)
-                                                for i in range(treedef.num_leaves)])
-
         def flat_fn(arrays_in, batch_in):
-            state_in = merged(arrays_in)
+            state_in = join_static(treedef, statics, arrays_in)
             out = fn(state_in, batch_in)
-            out_leaves, out_def = jax.tree.flatten(out)
+            out_arrays, out_def, out_statics = split_static(out)
             keeps = returns_state(state_in, out)
-            found.update(out_def=out_def, keeps=keeps,
-                         statics={i: x for i, x in enumerate(out_leaves) if is_static_leaf(x)},
-                         n_state=sum(1 for x in jax.tree.leaves(out[0]) if not is_static_leaf(x))
-                         if keeps else 0)
-            return [x for x in out_leaves if not is_static_leaf(x)]
+            found.update(out_def=out_def, keeps=keeps, statics=out_statics,
+                         n_state=len(split_static(out[0])[0]) if keeps else 0)
+            return out_arrays
 
-        with replica.enter(layout.context(per_replica=False)):
-            try:
-                jax.eval_shape(flat_fn, arrays, batch)
-            except (TypeError, AttributeError, ValueError) as e:
-                explain_batch_error(e, batch)
-                raise
+        with replica.enter(layout.context(per_replica=False)), explaining_batch_errors(batch):
+            jax.eval_shape(flat_fn, arrays, batch)
         keeps, n_state, out_def, out_statics = (found["keeps"], found["n_state"],
                                                 found["out_def"], found["statics"])
         n_out = out_def.num_leaves - len(out_statics)
@@ -264,9 +253,4 @@ class DistributedStep:
         compiled = jax.jit(flat_fn, in_shardings=(array_sh, layout.batch_shardings(batch)),
                            out_shardings=out_sh, donate_argnums=(0,) if donates else ())
 
-        def rebuild(flat):
-            it = iter(flat)
-            return jax.tree.unflatten(out_def, [out_statics[i] if i in out_statics else next(it)
-                                                for i in range(out_def.num_leaves)])
-
-        return compiled, keeps, n_state, rebuild
+        return compiled, keeps, n_state, functools.partial(join_static, out_def, out_statics)

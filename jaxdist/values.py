@@ -6,6 +6,7 @@ themselves so that input, step and checkpoint code can name them without importi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -105,6 +106,17 @@ _BATCH_HINT = (
     "jaxdist.compute_average_loss.")
 
 
+@contextlib.contextmanager
+def explaining_batch_errors(batch: Any):
+    """Traces a step on ``batch``: an error that looks like the step unpacked a ``Batch`` as its
+    data gets ``explain_batch_error``'s note."""
+    try:
+        yield
+    except (TypeError, AttributeError, ValueError) as e:
+        explain_batch_error(e, batch)
+        raise
+
+
 def explain_batch_error(error: BaseException, batch: Any) -> None:
     """Adds a note saying what a ``Batch`` is to an error raised while tracing a step on one, when
     it looks like the step unpacked the Batch as its data (``xb, yb = batch``): the data then
@@ -142,6 +154,36 @@ def is_static_leaf(x: Any) -> bool:
     [False, False, True, True]
     """
     return not isinstance(x, _ARRAY_LEAVES) and not hasattr(x, "__jax_array__")
+
+
+def split_static(tree: PyTree) -> tuple[list, Any, dict[int, Any]]:
+    """``tree``'s array leaves, its treedef and its static leaves by leaf index: what a compiled
+    step, a checkpoint or a snapshot takes (the arrays), and what puts the tree back together.
+
+    >>> import jax.numpy as jnp
+    >>> arrays, treedef, statics = split_static({"w": jnp.ones(2), "act": jnp.tanh})
+    >>> len(arrays), statics == {0: jnp.tanh}
+    (1, True)
+    >>> join_static(treedef, statics, [jnp.zeros(2)])["act"] is jnp.tanh
+    True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays, statics = split_leaves(leaves)
+    return arrays, treedef, statics
+
+
+def split_leaves(leaves: list) -> tuple[list, dict[int, Any]]:
+    """``split_static`` of an already flattened tree: (array leaves, static leaves by index)."""
+    statics = {i: x for i, x in enumerate(leaves) if is_static_leaf(x)}
+    return [x for i, x in enumerate(leaves) if i not in statics], statics
+
+
+def join_static(treedef: Any, statics: Any, arrays: Any) -> PyTree:
+    """The tree ``split_static`` took apart: leaf ``i`` is ``statics[i]`` where given, else the
+    next of ``arrays`` (any iterable, in leaf order)."""
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [statics[i] if i in statics else next(it)
+                                        for i in range(treedef.num_leaves)])
 
 
 class StaticKey:
