@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxdist import mesh as mesh_lib
 from jaxdist import replica
 from jaxdist._datacheck import check_fits_jax_dtype
 from jaxdist._types import PyTree
@@ -69,8 +70,7 @@ class Layout:
     @functools.cached_property
     def other_axes(self) -> tuple[str, ...]:
         """Mesh axes that carry no replicas: axes of a user's own mesh that their code shards."""
-        return tuple(a for a in self.mesh.axis_names
-                     if a not in self.data_axes and self.mesh.shape[a] > 1)
+        return mesh_lib.other_axes(self.mesh, self.data_axes)
 
     def mesh_context(self) -> contextlib.AbstractContextManager:
         """Where a step is called and traced: the caller's context, unless the caller set another

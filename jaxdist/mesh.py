@@ -168,3 +168,13 @@ def check_user_mesh(mesh: Mesh, data_axes, what: str) -> tuple[str, ...]:
                                                           if unknown else ""))
     # In mesh order, so that replica r is the r-th device along the data axes, as JAX counts.
     return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def other_axes(mesh: Mesh, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of ``mesh`` (of size > 1) that carry no replicas: axes a user's own code shards.
+
+    >>> import jax
+    >>> other_axes(jax.make_mesh((4, 2), ("data", "model")), ("data",))
+    ('model',)
+    """
+    return tuple(a for a in mesh.axis_names if a not in data_axes and mesh.shape[a] > 1)

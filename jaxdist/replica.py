@@ -45,10 +45,10 @@ class ReduceOp(str, enum.Enum):
         >>> ReduceOp.parse("MEAN")
         <ReduceOp.MEAN: 'mean'>
         """
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str) and op.lower() in {m.value for m in cls}:
-            return cls(op.lower())
+        try:
+            return cls(op)  # a member, or its name in any case (``_missing_``)
+        except ValueError:
+            pass
         raise ValueError(f"unknown reduce op {op!r}; expected one of 'sum', 'mean' "
                          "(or jaxdist.ReduceOp.SUM / MEAN)")
 

@@ -97,7 +97,7 @@ class MeshStrategy(Strategy):
         user = getattr(self, "_user_mesh", None)
         if user is not None:  # the user's own mesh, run on its Auto twin (same devices, no copies)
             mesh = mesh_lib.with_auto_axes(user)
-            data_axes = mesh_lib.check_user_mesh(user, self.data_axes, type(self).__name__)
+            data_axes = self.data_axes  # checked and put in mesh order at construction
         else:
             mesh = self._build_mesh()
             data_axes = self._data_axes(mesh)

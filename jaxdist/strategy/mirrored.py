@@ -53,7 +53,7 @@ class _CrossDeviceOptions:
             logger.warning("cross_device_ops='nccl' on %s devices: NCCL needs GPUs, so XLA's own "
                            "all-reduce is used (the same numbers)", "/".join(sorted(platforms)))
         hooks = super()._layout_hooks(mesh, data_axes)
-        others = [a for a in mesh.axis_names if a not in data_axes and mesh.shape[a] > 1]
+        others = list(mesh_lib.other_axes(mesh, data_axes))
         if self.zero_stage and others:
             # ZeRO's rule places each leaf on the data axes only; a leaf the user sharded over
             # their own axes would silently lose that layout, so the two are not combined yet.

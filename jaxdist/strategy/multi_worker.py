@@ -32,10 +32,6 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
       cluster: the ``jaxdist.ClusterSpec`` of the job (optional; default ``TF_CONFIG`` /
         ``JAXDIST_*`` from the environment). The strategy joins it when ``jaxdist.initialize``
         has not run, and checks that the runtime really has that many processes.
-
-    Raises:
-      RuntimeError: a multi-process cluster is configured but JAX's backend started before the
-        job was joined (the message names ``jaxdist.initialize()``).
       cross_device_ops, pack_bytes, compress: as for ``MirroredStrategy`` (per-replica view),
         except that ``pack_bytes`` defaults to 25 MiB (``CROSS_PROCESS_PACK_BYTES``): a
         reduction crossing processes packs leaves into flat buckets, as tf.distribute's
@@ -47,6 +43,10 @@ class MultiWorkerMirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
       zero_stage: as for ``MirroredStrategy``: state sharded over every device of every process.
       mesh, data_axes: keyword-only; a mesh of your own over every process's devices and the
         axes of it that carry the replicas (see ``MirroredStrategy``).
+
+    Raises:
+      RuntimeError: a multi-process cluster is configured but JAX's backend started before the
+        job was joined (the message names ``jaxdist.initialize()``).
 
     >>> MultiWorkerMirroredStrategy().pack_bytes == 25 * 2**20
     True
