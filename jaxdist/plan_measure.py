@@ -237,23 +237,21 @@ def _example_factory():
     return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
 
 
-def memory_table(num_params: float, devices: int, *, optimizer: str = "adam",
-                 precision: str = "float32", opt_bytes: float | None = None) -> str:
-    """A markdown table of bytes per device at each ``zero_stage`` (see ``plan.stage_memory``).
+def memory_table(memory: list) -> str:
+    """A markdown table of bytes per device at each ``zero_stage``.
 
     Args:
-      num_params, devices, optimizer, precision, opt_bytes: as for ``plan.stage_memory``.
+      memory: ``plan.stage_memory(...)``'s rows.
 
     Returns:
       The table, one row per stage.
 
-    >>> print(memory_table(1e9, 8).splitlines()[2])
+    >>> print(memory_table(stage_memory(1e9, 8)).splitlines()[2])
     | 0 | 3.725 GiB | 7.451 GiB | 3.725 GiB | 14.9 GiB |
     """
     lines = ["| zero_stage | parameters | optimizer state | + during a step | peak per device |",
              "|---|---|---|---|---|"]
-    for m in stage_memory(num_params, devices, optimizer=optimizer, precision=precision,
-                          opt_bytes=opt_bytes):
+    for m in memory:
         lines.append(f"| {m.stage} | {_fmt_bytes(m.params)} | {_fmt_bytes(m.opt_state)} | "
                      f"{_fmt_bytes(m.step_extra)} | {_fmt_bytes(m.peak)} |")
     return "\n".join(lines)
@@ -398,8 +396,7 @@ def run_cli(args) -> str:
     lines += ["", f"memory per device over {devices} devices ({num_params:,.0f} parameters, "
               f"{args.optimizer if opt_bytes is None else 'optimizer state as measured'}, "
               f"{args.precision}; activations not included):", "",
-              memory_table(num_params, devices, optimizer=args.optimizer,
-                           precision=args.precision, opt_bytes=opt_bytes)]
+              memory_table(memory)]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ import jax
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
 from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
                                            SaveCandidate, SavePolicy, resolve_mode)
+from jaxdist.memstate import StateTier
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +224,6 @@ class BackupAndRestore(ModelCheckpoint):
         self._notice = _PreemptionNotice()
         self.restored_step: int | None = None
         self.restored_from: str | None = None
-        from jaxdist.memstate import StateTier
-
         self.memory = StateTier()
 
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
