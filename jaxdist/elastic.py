@@ -41,7 +41,7 @@ from typing import Any
 
 from jaxdist.cluster import ClusterSpec, split_address
 from jaxdist.hang import HangDetector
-from jaxdist.memstate import heartbeat_path
+from jaxdist.memstate import heartbeat_path, stop_path, write_stop
 from jaxdist.rendezvous import RendezvousClient, RendezvousError, serve
 
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
@@ -88,6 +88,11 @@ class Agent:
     def say(self, message: str) -> None:
         self.l.say(f"[agent {self.id}] {message}")
 
+    def _alive_agents(self) -> dict[str, float]:
+        """``{agent id: seconds since its last heartbeat}`` of the agents not yet lost."""
+        return {k: age for k, (_, age) in self.store.list("alive/").items()
+                if age < self.host_timeout_s}
+
     # -- threads -------------------------------------------------------------------------------
 
     def _beat(self) -> None:
@@ -112,8 +117,7 @@ class Agent:
             try:
                 n = self.store.get("open")
                 regs = self.store.list(f"r{n}/member/")
-                alive = {k for k, (_, age) in self.store.list("alive/").items()
-                         if age < self.host_timeout_s}
+                alive = set(self._alive_agents())
                 leaving = set(self.store.list("leaving/"))
             except RendezvousError:
                 continue
@@ -185,8 +189,7 @@ class Agent:
         end = time.monotonic() + self.rdzv_timeout_s
         while time.monotonic() < end:
             try:
-                others = [k for k, (_, age) in self.store.list("alive/").items()
-                          if k != self.id and age < self.host_timeout_s]
+                others = [k for k in self._alive_agents() if k != self.id]
             except RendezvousError:
                 return
             if not others:
@@ -206,9 +209,7 @@ class Agent:
                 "order": order})
             while time.monotonic() < deadline and self.store.get("open") == n:
                 time.sleep(0.05)
-                alive = [k for k, (_, age) in self.store.list("alive/").items()
-                         if age < self.host_timeout_s]
-                if len(alive) >= self.min:  # a round is running or forming: not too few hosts
+                if len(self._alive_agents()) >= self.min:  # a round is running or forming: not too few hosts
                     deadline = time.monotonic() + self.rdzv_timeout_s
             final = self.store.get(f"r{n}/final")
             if final and any(k == self.id for k, _ in final):
@@ -227,7 +228,7 @@ class Agent:
                  f"ranks {first}..{first + self.nproc - 1} of {world}, coordinator "
                  f"{coordinator}")
         state_dir = self.l._state_dir
-        for path in [os.path.join(state_dir, "stop")] + [
+        for path in [stop_path(state_dir)] + [
                 heartbeat_path(state_dir, r) for r in range(first, first + self.nproc)]:
             try:
                 os.remove(path)
@@ -283,10 +284,7 @@ class Agent:
             hung = detector.check([first + i for i, c in enumerate(codes) if c is None])
             if hung and not draining:
                 for h in hung:
-                    self.say(f"rank {h.rank} (host {self.hostname}, pid {h.pid}) is hung: no "
-                             f"completed step for {h.silent_s:.1f} s (hang timeout "
-                             f"{detector.timeout_s:g} s), last completed step {h.last_step}, "
-                             f"process {h.state}")
+                    self.say(h.describe(self.hostname, detector.timeout_s))
                 return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung")
             try:
                 failed = self.store.get(f"r{n}/failed")
@@ -321,7 +319,7 @@ class Agent:
                     self.say(f"{why}: asking every process to stop at step {stop}")
             if stop is not None and not draining:
                 draining, self._stop = True, stop
-                _write_stop(self.l._state_dir, stop)
+                write_stop(self.l._state_dir, stop)
 
 
     def _serve_until_done(self) -> None:
@@ -332,8 +330,7 @@ class Agent:
         self.store.delete(f"alive/{self.id}")
         quiet_since = None
         while not self.store.get("done"):
-            others = [k for k, (_, age) in self.store.list("alive/").items()
-                      if k != self.id and age < self.host_timeout_s]
+            others = [k for k in self._alive_agents() if k != self.id]
             if others:
                 quiet_since = None
             elif quiet_since is None:
@@ -341,13 +338,6 @@ class Agent:
             elif time.monotonic() - quiet_since > self.rdzv_timeout_s:
                 return
             time.sleep(0.2)
-
-
-def _write_stop(directory: str, step: int) -> None:
-    tmp = os.path.join(directory, "stop.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(step))
-    os.replace(tmp, os.path.join(directory, "stop"))
 
 
 def _free_port() -> int:

@@ -13,6 +13,7 @@ time before it looks like a hang. ``--hang-timeout`` sets it explicitly.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -23,6 +24,7 @@ from jaxdist.memstate import read_heartbeat
 DEFAULT_FLOOR_S = 60.0
 DEFAULT_CAP_S = 300.0
 DEFAULT_MULTIPLE = 50.0
+_WINDOW = 200  # step intervals the median is taken over
 
 
 @dataclasses.dataclass
@@ -42,6 +44,12 @@ class Hung:
     last_step: int | None
     silent_s: float
     state: str
+
+    def describe(self, host: str, timeout_s: float) -> str:
+        """The log line naming this rank: host, rank, pid, silence, last step, process state."""
+        return (f"rank {self.rank} (host {host}, pid {self.pid}) is hung: no completed step for "
+                f"{self.silent_s:.1f} s (hang timeout {timeout_s:g} s), last completed step "
+                f"{self.last_step}, process {self.state}")
 
 
 _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped",
@@ -87,7 +95,7 @@ class HangDetector:
         self._clock = clock
         self._last: dict[int, int | None] = dict.fromkeys(ranks)
         self._changed: dict[int, float | None] = dict.fromkeys(ranks)
-        self._intervals: list[float] = []
+        self._intervals: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._armed_at: float | None = None
 
     @property
@@ -97,12 +105,11 @@ class HangDetector:
             return self._fixed
         if len(self._intervals) < 2:
             return None
-        median = statistics.median(self._intervals[-200:])
-        return min(DEFAULT_CAP_S, max(DEFAULT_FLOOR_S, DEFAULT_MULTIPLE * median))
+        return min(DEFAULT_CAP_S, max(DEFAULT_FLOOR_S, DEFAULT_MULTIPLE * self.median_step_s()))
 
     def median_step_s(self) -> float | None:
         """The median time between completed steps so far (None before two steps)."""
-        return statistics.median(self._intervals[-200:]) if self._intervals else None
+        return statistics.median(self._intervals) if self._intervals else None
 
     def last_steps(self) -> dict[int, int | None]:
         """Each rank's last completed step this attempt."""

@@ -418,10 +418,7 @@ class _Launcher:
                 hung = detector.check([r for r, code in enumerate(codes) if code is None])
                 if hung:
                     for h in hung:
-                        self.say(f"rank {h.rank} (host {host}, pid {h.pid}) is hung: no "
-                                 f"completed step for {h.silent_s:.1f} s (hang timeout "
-                                 f"{detector.timeout_s:g} s), last completed step "
-                                 f"{h.last_step}, process {h.state}")
+                        self.say(h.describe(host, detector.timeout_s))
                     self.say(f"killing the group ({len(procs)} process(es))")
                     return EXIT_HUNG, (f"rank(s) {[h.rank for h in hung]} hung (no completed "
                                        f"step for {detector.timeout_s:g} s)")
@@ -636,9 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     lock = threading.Lock()
+    verbose = args.verbose or _output.verbose_from_env()
 
     def emit(stream: str, line: bytes) -> None:
-        if not _output.keep_line(line, args.verbose or _output.verbose_from_env()):
+        if not _output.keep_line(line, verbose):
             return  # gloo's "[Gloo] Rank N is connected" chatter (see jaxdist/_output.py)
         out = sys.stdout if stream == "stdout" else sys.stderr
         with lock:  # whole lines only, so ranks never interleave within a line

@@ -83,6 +83,16 @@ def read_heartbeat(directory: str, rank: int | str) -> int | None:
         return None
 
 
+def stop_path(directory: str) -> str:
+    """Where the elastic agent writes the step every process of this host stops at."""
+    return os.path.join(directory, "stop")
+
+
+def write_stop(directory: str, step: int) -> None:
+    """Asks every process of this host to stop after ``step`` (read by ``StateTier.stop_step``)."""
+    _write_atomic(stop_path(directory), str(int(step)).encode())
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -194,7 +204,7 @@ class StateTier:
         """
         if self.directory is None:
             return None
-        path = os.path.join(self.directory, "stop")
+        path = stop_path(self.directory)
         try:
             mtime = os.stat(path).st_mtime_ns
         except OSError:
