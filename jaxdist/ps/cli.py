@@ -93,8 +93,8 @@ def _run_task(args: argparse.Namespace) -> int:
             if not (math.isfinite(args.max_message_mb) and args.max_message_mb > 0):
                 raise ValueError(f"--max-message-mb {args.max_message_mb}: expected a finite "
                                  "number > 0")
-            if tls is not None:
-                tls.validate()  # before anything is served or printed
+            # serve() checks the TLS files and the address before binding; this prints
+            # "serving on" only once the port is bound (on_serving)
             serve_until_stopped(PSService(spec.task_index, checkpoint_dir=args.checkpoint_dir),
                                 address, PS_SERVICE, token=token, tls=tls,
                                 max_receive_bytes=int(args.max_message_mb * (1 << 20))

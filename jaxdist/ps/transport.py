@@ -372,9 +372,7 @@ class _Receiver:
                     need = wire.header_length(parts[0] if len(parts[0]) >= 4 else b"".join(parts))
                     if need is None or have < need:
                         if have > limit:
-                            raise PushRejected(f"request of more than {limit} bytes refused: "
-                                               "this server's limit for the call",
-                                               "resource_exhausted")
+                            raise _too_big(limit)
                         continue
                     head = b"".join(parts)
                     parts = []
@@ -382,9 +380,7 @@ class _Receiver:
                         total = wire.declared_size(head)
                     except wire.WireError:
                         if have > limit:  # too big first, whatever else is wrong with it
-                            raise PushRejected(f"request of more than {limit} bytes refused: "
-                                               "this server's limit for the call",
-                                               "resource_exhausted") from None
+                            raise _too_big(limit) from None
                         raise
                     if total > limit:
                         raise PushRejected(f"request declares {total} bytes; this server's limit "
@@ -410,6 +406,11 @@ class _Receiver:
         if have != total:
             raise wire.WireError(f"message ends after {have} of the {total} bytes it declares")
         return memoryview(buf)
+
+
+def _too_big(limit: int) -> PushRejected:
+    return PushRejected(f"request of more than {limit} bytes refused: this server's limit for "
+                        "the call", "resource_exhausted")
 
 
 class _Gone(Exception):
