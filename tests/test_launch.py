@@ -141,6 +141,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_for_pids(launcher, pid_dir, n):
+    """The pids ``n`` processes wrote to ``pid_dir`` (each a file), while the launcher runs."""
+    pids = []
+    deadline = time.monotonic() + 60
+    while len(pids) < n:
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert launcher.poll() is None, "launcher exited early"
+        pids = [int(p.read_text()) for p in pid_dir.iterdir() if p.suffix != ".tmp"]
+        time.sleep(0.1)
+    return pids
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_sigkill_of_the_launcher_takes_its_ranks_with_it(tmp_path):
     # before: the ranks kept running under PID 1
@@ -150,12 +162,7 @@ def test_sigkill_of_the_launcher_takes_its_ranks_with_it(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids = []
     try:
-        deadline = time.monotonic() + 60
-        while len(pids) < 2:
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert launcher.poll() is None, "launcher exited early"
-            pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.suffix != ".tmp"]
-            time.sleep(0.1)
+        pids = _wait_for_pids(launcher, tmp_path, 2)
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 15
@@ -180,12 +187,7 @@ def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path):
                                 stderr=subprocess.STDOUT)
     pids = []
     try:
-        deadline = time.monotonic() + 60
-        while len(pids) < 2:
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert launcher.poll() is None, "launcher exited early"
-            pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.suffix != ".tmp"]
-            time.sleep(0.1)
+        pids = _wait_for_pids(launcher, tmp_path, 2)
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=60)  # EOF on its stdout: nothing holds the pipe
         assert launcher.returncode == 128 + signal.SIGTERM, out
