@@ -65,8 +65,13 @@ def _wait(procs):
                 p.kill()
     for rc, out, err in outputs:
         assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
-    return [json.loads(line) for _, out, _ in outputs for line in out.splitlines()
-            if line.startswith("{")]
+    reports = [json.loads(line) for _, out, _ in outputs for line in out.splitlines()
+               if line.startswith("{")]
+    # Every process prints one report (under the stand-in srun, one pipe carries them all).
+    expected = sum(out.count('"process_index"') for _, out, _ in outputs)
+    assert len(reports) == expected, "a report was not on a line of its own:\n" + "\n".join(
+        f"--- process {i} stdout:\n{out[-2000:]}" for i, (_, out, _) in enumerate(outputs))
+    return reports
 
 
 def _start(cmd, env):

@@ -28,8 +28,10 @@ from jax.experimental import multihost_utils  # noqa: E402
 jaxdist.barrier("probe", timeout_s=60)
 gathered = multihost_utils.process_allgather(jnp.array([jax.process_index()]), tiled=True)
 # One write of the whole line: under a stand-in `srun` both processes share one stdout pipe, and
-# print() writes the text and its newline separately, so two reports could interleave.
-sys.stdout.write(json.dumps({
+# print() writes the text and its newline separately, so two reports could interleave. The leading
+# newline ends any partial line that gloo's C++ logging (which writes to the same fd 1 through its
+# own buffer) left open, so the report always starts a line of its own.
+sys.stdout.write("\n" + json.dumps({
     "from_environment": None if environment_spec is None else {
         "coordinator": environment_spec.coordinator_address,
         "num_processes": environment_spec.num_processes,
