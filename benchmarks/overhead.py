@@ -5,8 +5,9 @@ batches and the same mesh; compilation is excluded; repetitions are interleaved,
 the three rotates from one repetition to the next, so machine noise and warm caches hit all alike.
 The hand-written loop syncs every 8 steps (XLA:CPU deadlocks with too many queued collectives);
 jaxdist's loops are plain `for` loops, as users write them, relying on the library's own bound.
-The per-replica loop is the README's: `state, m = strategy.run(step, args=(state, batch))`, the
-state staying per-replica between steps. `masked` is the global view of the step that `distribute`
+The per-replica loop is `state, m = strategy.run(step, args=(state, batch))`, the state staying
+per-replica between steps and the loss all-reduced inside the step; `readme` is the README's loop
+exactly: the loss left per replica and `strategy.reduce("sum", loss)` after every `run`. `masked` is the global view of the step that `distribute`
 batches need (`compute_average_loss` over `batch.mask`) on pre-placed batches: the step's own cost,
 without the input pipeline. The `distribute` loop and `fit` take their batches from
 `strategy.distribute` (host arrays -> device; for in-memory arrays each batch is made on the loop's
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--loops", nargs="+",
-                    default=["hand", "global", "per_replica", "masked", "hand_fed", "distribute",
+                    default=["hand", "global", "per_replica", "readme", "masked", "hand_fed", "distribute",
                              "fit"],
                     help="which loops to time (hand is the baseline and always runs)")
     args = ap.parse_args()
@@ -86,6 +87,21 @@ def main() -> None:
 
     def per_replica(state, batch):
         return strategy.run(replica_step, args=(state, jaxdist.Batch(batch, None)))
+
+    def readme_step(state, batch):  # the README's replica step: the loss is left per replica
+        xb, yb = batch.data
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, xb)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+            return per_example.mean() / jaxdist.num_replicas()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=jaxdist.all_reduce(grads, "sum")), loss
+
+    def readme(state, batch):  # the README's loop: run, then reduce the loss every step
+        state, loss = strategy.run(readme_step, args=(state, jaxdist.Batch(batch, None)))
+        return state, strategy.reduce("sum", loss)
 
     def make_state():
         return models.create_train_state(models.MLP(hidden=(256, 128)), x[:1])
@@ -150,13 +166,14 @@ def main() -> None:
 
     states = {"hand": jax.device_put(make_state(), rep), "hand_fed": jax.device_put(make_state(), rep),
               "global": strategy.put(make_state()),
-              "per_replica": make_state(), "masked": strategy.put(make_state()),
+              "per_replica": make_state(), "readme": make_state(), "masked": strategy.put(make_state()),
               "distribute": strategy.put(make_state()),
               "distribute_thread": strategy.put(make_state()),
               "fit": strategy.put(make_state())}
     loops = {"hand": loop_over(hand, hand_batches, sync_every=8), "hand_fed": hand_fed,
              "global": loop_over(ours, our_batches),
              "per_replica": loop_over(per_replica, our_batches),
+             "readme": loop_over(readme, our_batches),
              "masked": loop_over(ours_masked, masked_batches),
              "distribute": distribute_fed, "distribute_thread": distribute_thread, "fit": fit}
     names = [n for n in loops if n in args.loops]
