@@ -157,8 +157,15 @@ class Agent:
                         return 0 if clean else 128 + self.l._signal
                     if self.store.get("done"):
                         return 0
+                    here = sorted(f"{host} (agent {k.rsplit('/', 1)[-1]})" for k, (host, age)
+                                  in self.store.list("alive/").items()
+                                  if age < self.host_timeout_s)
                     self.say(f"fewer than {self.min} agents registered within "
-                             f"{self.rdzv_timeout_s:g} s; exiting")
+                             f"{self.rdzv_timeout_s:g} s ({len(here)} did: "
+                             f"{', '.join(here) or 'none'}; {self.min - len(here)} more were "
+                             "needed: start `jaxdist launch` with the same --rdzv-endpoint "
+                             "and --rdzv-id on the missing hosts, or lower MIN in --nnodes); "
+                             "exiting")
                     return 0 if clean else 1
                 n, members = joined
                 outcome, code = self._run_round(n, members)

@@ -177,16 +177,28 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
             "jaxdist.initialize, that every process uses this coordinator address, and that "
             "the host and port are reachable from here (DNS, firewall)."))
     logger.info("%s joining the job at %s", where, spec.coordinator_address)
-    with _Watchdog(remaining, f"{where}: not all {spec.num_processes} processes joined the "
-                   f"coordinator at {spec.coordinator_address} within {timeout_s:g} s. Check "
-                   f"that all {spec.num_processes} processes were started with the same "
-                   "coordinator address and process count and distinct process ids, and the "
-                   "logs of the missing ones."):
+
+    arrivals = _Arrivals(port) if spec.process_id == 0 else None
+
+    def message() -> str:  # built when the watchdog fires: process 0 can then say who came
+        who = (_who_is_missing(spec, arrivals.most()) if arrivals else
+               "Process 0's log names the processes that did not connect.")
+        return (f"{where}: not all {spec.num_processes} processes joined the coordinator at "
+                f"{spec.coordinator_address} within {timeout_s:g} s. {who} Check that all "
+                f"{spec.num_processes} processes were started with the same coordinator "
+                "address and process count and distinct process ids, and the logs of the "
+                "missing ones.")
+    with _Watchdog(remaining, message):
         jax.distributed.initialize(
             coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
             process_id=spec.process_id, local_device_ids=spec.local_device_ids,
             initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
+    if arrivals:
+        arrivals.stop()
     _shutdown_at_exit()
+
+
+_shutdown_registered = False  # whether `_shutdown_at_exit` has registered its handler
 
 
 def _shutdown_at_exit() -> None:
@@ -195,7 +207,12 @@ def _shutdown_at_exit() -> None:
     Without it, a finished process's peers see it vanish and may abort, and schedulers that
     watch exit codes relaunch jobs that had in fact finished.
     """
+    global _shutdown_registered
     import atexit
+
+    if _shutdown_registered:
+        return
+    _shutdown_registered = True
 
     def shutdown():
         import jax
@@ -229,7 +246,131 @@ def _join_autodetected(timeout_s: float) -> ClusterSpec:
                 raise
             logger.info("no cluster configuration found; running as a single process")
             return ClusterSpec.single_process()
+    _shutdown_at_exit()
     return _adopt_running_runtime()
+
+
+def _peer_connections(port: int) -> list[str] | None:
+    """Source addresses of the other processes connected to this process's coordinator port.
+
+    JAX's coordination service (hosted by process 0) names nobody when a process never
+    registers, and it cannot be asked before every process has; the kernel's socket table
+    can. Reads ``/proc/net/tcp{,6}`` for established connections accepted on `port` by this
+    process, minus this process's own client. None where there is no such table (not Linux).
+    """
+    mine = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+        rows = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows += [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return None
+    # Columns: sl local remote state ... uid timeout inode; 01 is ESTABLISHED.
+    live = [(_proc_address(r[1]), _proc_address(r[2])) for r in rows
+            if len(r) > 9 and r[3] == "01" and r[9] in mine]
+    accepted = [remote for local, remote in live if local[1] == port]
+    own_clients = {local for local, remote in live if remote[1] == port}
+    return sorted(host for host, p in accepted if (host, p) not in own_clients)
+
+
+def _proc_address(field: str) -> tuple[str, int]:
+    """("10.0.0.2", 1234) from /proc/net/tcp's "0200000A:04D2" (IPv6 and v4-mapped too)."""
+    hex_ip, hex_port = field.split(":")
+    raw = bytes.fromhex(hex_ip)
+    # The kernel prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]  # an IPv4 peer on a dual-stack socket
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw), int(hex_port, 16)
+
+
+class _Arrivals:
+    """Samples `_peer_connections` while process 0 waits, keeping the fullest view.
+
+    The processes that did connect time out at about the same moment as process 0 and exit,
+    so the socket table at the deadline may already have lost them.
+    """
+
+    def __init__(self, port: int, every_s: float = 0.5):
+        self._port, self._every_s = port, every_s
+        self._best: list[str] | None = None
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="jaxdist-arrivals", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._sample()
+            self._stopped.wait(self._every_s)
+
+    def _sample(self) -> None:
+        peers = _peer_connections(self._port)
+        if peers is not None and (self._best is None or len(peers) > len(self._best)):
+            self._best = peers
+
+    def most(self) -> list[str] | None:
+        """The most connections seen at once, from which hosts; None without a socket table."""
+        self._sample()
+        return self._best
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _who_is_missing(spec: ClusterSpec, peers: list[str] | None) -> str:
+    """Process 0's account of which processes have connected to its coordinator and which not."""
+    others = spec.num_processes - 1
+    if peers is None:
+        return ""
+    came = ", ".join(f"{h} ({peers.count(h)})" for h in sorted(set(peers)))
+    text = (f"{len(peers)} of the {others} other processes connected (from {came}); "
+            f"{max(others - len(peers), 0)} did not." if peers else
+            f"None of the {others} other processes connected.")
+    if len(spec.workers) != spec.num_processes:
+        return text  # the job's addresses are unknown (JAXDIST_* / scheduler): counts only
+    local = _local_addresses(split_address(spec.coordinator_address)[0])
+    by_host: dict[frozenset, list[int]] = {}
+    for pid in range(1, spec.num_processes):
+        addresses = _resolve(split_address(spec.workers[pid])[0])
+        key = frozenset({"this host"} if addresses & local else addresses)
+        by_host.setdefault(key, []).append(pid)
+    missing = []
+    for key, pids in by_host.items():
+        seen = sum(1 for h in peers if (h in local and "this host" in key) or h in key)
+        if seen < len(pids):
+            names = ", ".join(f"{pid} ({spec.workers[pid]})" for pid in pids)
+            missing.append(f"process {names}" if len(pids) == 1 else
+                           f"{len(pids) - seen} of processes {names}")
+    return text + (f" Not connected: {'; '.join(missing)}." if missing else "")
+
+
+def _local_addresses(coordinator_host: str) -> set[str]:
+    """Addresses a process on this host may connect from: loopback and this host's own."""
+    found = {"127.0.0.1", "::1"} | _resolve(coordinator_host) | _resolve(socket.gethostname())
+    return {a for a in found if a}
+
+
+def _resolve(host: str, timeout_s: float = 2.0) -> set[str]:
+    """The addresses `host` resolves to (empty if it does not within timeout_s)."""
+    out: set[str] = set()
+
+    def lookup():
+        try:
+            out.update(info[4][0] for info in socket.getaddrinfo(host, None))
+        except OSError:
+            pass
+    worker = threading.Thread(target=lookup, daemon=True)
+    worker.start()
+    worker.join(timeout_s)  # DNS has no timeout of its own; the watchdog must still exit
+    return set(out) if not worker.is_alive() else set()
 
 
 # JAX's own deadline is set past ours so that the watchdog's clear message comes first.
@@ -237,14 +378,22 @@ _JAX_DEADLINE_MARGIN_S = 10
 
 
 class _Watchdog:
-    """Exits the process with a clear message if the guarded block outlives `timeout_s`."""
+    """Exits the process with a clear message if the guarded block outlives `timeout_s`.
 
-    def __init__(self, timeout_s: float, message: str):
+    `message` is the text, or a function that makes it when the time is up.
+    """
+
+    def __init__(self, timeout_s: float, message: str | Callable[[], str]):
         self._timer = threading.Timer(timeout_s, self._fire, args=(message,))
         self._timer.daemon = True
 
     @staticmethod
-    def _fire(message: str) -> None:
+    def _fire(message: str | Callable[[], str]) -> None:
+        if callable(message):
+            try:
+                message = message()
+            except Exception as e:  # noqa: BLE001 - the exit must happen whatever the probe did
+                message = f"(could not describe who is missing: {type(e).__name__}: {e})"
         logger.critical("jaxdist.initialize failed: %s Exiting with status 1.", message)
         for handler in logging.getLogger().handlers:
             handler.flush()

@@ -258,7 +258,7 @@ def test_initialize_defers_to_jax_cluster_detection_under_slurm():
     (1, 2, "CoordinatorTimeoutError: process 1 of 2 could not reach the coordinator at "
            "127.0.0.1:{port} within 3 s"),
     (0, 1, "process 0 of 2: not all 2 processes joined the coordinator at 127.0.0.1:{port} "
-           "within 3 s"),
+           "within 3 s. None of the 1 other processes connected."),
 ])
 def test_initialize_fails_in_bounded_time(process_id, returncode, expected):
     port = launch.free_ports(1)[0]
@@ -267,6 +267,29 @@ def test_initialize_fails_in_bounded_time(process_id, returncode, expected):
     assert proc.returncode == returncode, proc.stdout + proc.stderr
     assert expected.format(port=port) in proc.stdout + proc.stderr
     assert "Check that" in proc.stdout + proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_initialize_timeout_names_the_processes_that_never_connected():
+    """Process 0 says who came and who did not (JAX's own deadline names nobody)."""
+    p0, p1 = launch.free_ports(2)
+    workers = [f"127.0.0.1:{p1}", "10.255.255.1:2222"]  # the second never starts
+    procs = [subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "join_tf_config.py"), "6"],
+        env={**_env(), "TF_CONFIG": json.dumps({
+            "cluster": {"chief": [f"127.0.0.1:{p0}"], "worker": workers},
+            "task": {"type": task, "index": 0}})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for task in ("chief", "worker")]
+    try:
+        outputs = [proc.communicate(timeout=90)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [1, 1], outputs
+    assert ("1 of the 2 other processes connected (from 127.0.0.1 (1)); 1 did not. Not "
+            "connected: process 2 (10.255.255.1:2222).") in outputs[0], outputs
+    assert "Process 0's log names the processes that did not connect" in outputs[1], outputs[1]
 
 
 def test_initialize_after_backend_started_says_to_call_it_first():
