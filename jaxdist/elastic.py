@@ -77,8 +77,11 @@ class Agent:
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
         self.server = serve(f"{host}:{port}")
+        self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
+        self._round, self._members = -1, []  # the last round: number, [[agent id, info], ...]
+        self._server_id: str | None = None  # the agent serving the store
         self._stopped = threading.Event()
         self._leaving = False
         self._quiet = False
@@ -140,16 +143,22 @@ class Agent:
         """Runs rounds until the job is done, this agent leaves, or too few agents remain."""
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
+            self.store.set("server", self.id)
         self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
-        threads = [threading.Thread(target=self._beat, daemon=True)]
+        threading.Thread(target=self._beat, daemon=True).start()
         if self.server is not None:
-            threads.append(threading.Thread(target=self._close_rounds, daemon=True))
-        for t in threads:
-            t.start()
+            threading.Thread(target=self._close_rounds, daemon=True).start()
         failures, clean = 0, True
         try:
             while True:
-                joined = self._join()
+                try:
+                    joined = self._join()
+                    if joined is not None:
+                        outcome, code = self._run_round(*joined)
+                except RendezvousError as e:
+                    if not self._fail_over(e):
+                        raise
+                    joined, outcome, code = (), "failed", 1  # the round's processes are gone
                 if joined is None:
                     if self.l._signal is not None:
                         self.say(f"received {signal.Signals(self.l._signal).name} between "
@@ -167,8 +176,6 @@ class Agent:
                              "and --rdzv-id on the missing hosts, or lower MIN in --nnodes); "
                              "exiting")
                     return 0 if clean else 1
-                n, members = joined
-                outcome, code = self._run_round(n, members)
                 if outcome in ("done", "left", "signal"):
                     return code
                 clean = outcome == "drained"
@@ -224,6 +231,8 @@ class Agent:
         return None
 
     def _run_round(self, n: int, members: list) -> tuple[str, int]:
+        self._round, self._members = n, members
+        self._server_id = self.store.get("server")
         index = [k for k, _ in members].index(self.id)
         self._last_order = index
         first = sum(info["nproc"] for _, info in members[:index])
@@ -258,9 +267,9 @@ class Agent:
         store_ok = time.monotonic()
 
         def fail(reason: str, code: int = 1) -> tuple[str, int]:
-            self.store.set_if_absent(f"r{n}/failed", reason)
             self.say(f"round {n} failed: {reason}; last completed step per local rank "
                      f"{detector.last_steps()}")
+            self.store.set_if_absent(f"r{n}/failed", reason)  # a silent store: see _fail_over
             return "failed", code
 
         while True:
@@ -303,6 +312,8 @@ class Agent:
                 store_ok = time.monotonic()
             except RendezvousError:
                 if time.monotonic() - store_ok > self.host_timeout_s:
+                    self.say(f"round {n} failed: the rendezvous store is silent; last completed "
+                             f"step per local rank {detector.last_steps()}")
                     raise
                 continue
             if done:
@@ -328,6 +339,52 @@ class Agent:
                 draining, self._stop = True, stop
                 write_stop(self.l._state_dir, stop)
 
+
+    def _fail_over(self, error: RendezvousError) -> bool:
+        """Moves the store to the next agent of the last round when its host is lost.
+
+        Every agent of the last round walks the round's order (the serving agent left out) and
+        takes the first agent that can serve: that agent serves a new store on its own address
+        and the rendezvous port, the others wait up to twice the host timeout for it to answer,
+        then try the next. The round that was running has failed; the next one resumes from
+        memory. Returns False when there is no one to move to (this agent served the store
+        itself, was not in a round yet, or no candidate answered).
+        """
+        if self.server is not None or not self._members or self._server_id is None:
+            return False
+        old = self.store.address
+        n = self._round + 1
+        for k, info in self._members:
+            if k == self._server_id:
+                continue
+            address = f"{info['addr']}:{self._rdzv_port}"
+            if k == self.id:
+                self.server = serve(address)
+                if self.server is None:
+                    self.say(f"cannot serve the rendezvous store on {address} (port taken)")
+                    return False
+                store = RendezvousClient(address, self.rdzv_id)
+                store.set("server", self.id)
+                store.set("open", n)
+                self.store = store
+                threading.Thread(target=self._close_rounds, daemon=True).start()
+                self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
+                         f"it now on {address} (new agents: --rdzv-endpoint {address})")
+                return True
+            store = RendezvousClient(address, self.rdzv_id, timeout_s=1.0)
+            end = time.monotonic() + 2 * self.host_timeout_s
+            while time.monotonic() < end:
+                try:
+                    if store.get("server") == k:
+                        self.store = store
+                        self.say(f"the rendezvous store on {old} is lost ({error}); agent {k} "
+                                 f"serves it now on {address}")
+                        return True
+                except RendezvousError:
+                    pass
+                time.sleep(0.1)
+            store.close()
+        return False
 
     def _serve_until_done(self) -> None:
         """A leaving agent that serves the store keeps serving it (without processes) until the

@@ -92,7 +92,7 @@ class Hosts:
                 a.kill()
 
 
-def _check(hosts, reference, lost_at_most):
+def _check(hosts, reference, lost_at_most, rank0_logs=(0,)):
     ref_steps, ref_params = reference
     out = hosts.text()
     resumed = int(re.search(r"\[\d+\] attempt 1 resumed from memory step (\d+)", out)[1])
@@ -103,7 +103,7 @@ def _check(hosts, reference, lost_at_most):
     assert before - resumed <= lost_at_most, (before, resumed)
     # rank 0 never moves here (its host stays), so its lines list every batch trained
     rounds = [[]]
-    for line in hosts.text(0).splitlines():
+    for line in "".join(hosts.text(i) for i in rank0_logs).splitlines():
         if "] round 1: " in line:
             rounds.append([])
         elif m := re.match(r"\[0\] trained step (\d+) epoch (\d+) position (\d+)$", line):
@@ -127,6 +127,28 @@ def test_losing_a_whole_host_costs_at_most_one_step(tmp_path, reference):
     # found by the agents (silent agent) or first by JAX's runtime (a peer died: SIGABRT)
     assert re.search(r"round 0 failed: (host\(s\) \['[^']+'\] lost|rank \d)", hosts.text())
     _check(hosts, reference, lost_at_most=1)
+
+
+def test_losing_the_rendezvous_host_moves_the_store_and_the_job_goes_on(tmp_path, reference):
+    hosts = Hosts(tmp_path)
+    for _ in range(3):
+        hosts.start()
+    hosts.wait_for(0, r"\[0\] trained step 6 ")
+    hosts.agents[0].kill()  # the agent serving the store, and (by its death signal) rank 0
+    codes = hosts.finish()
+    assert codes[1:] == [0, 0], hosts.text()
+    serves = [i for i in (1, 2) if re.search(
+        r"the rendezvous store on 127\.0\.0\.1:\d+ is lost .*; this agent serves it now on "
+        r"127\.0\.0\.1:\d+", hosts.text(i))]
+    assert len(serves) == 1, hosts.text()
+    (new,) = serves
+    other = 3 - new
+    assert re.search(r"is lost .*; agent \S+ serves it now", hosts.text(other)), hosts.text(other)
+    assert re.search(r"round 1: 2 host\(s\)", hosts.text(new))
+    # rank 0 was on the lost host in round 0; the agent next in order serves the store and
+    # runs rank 0 in round 1
+    assert re.search(r"round 1: .*ranks 0\.\.0 of 2", hosts.text(new)), hosts.text(new)
+    _check(hosts, reference, lost_at_most=1, rank0_logs=(0, new))
 
 
 def test_sigterm_to_an_agent_makes_its_host_leave_at_an_agreed_step(tmp_path, reference):
