@@ -23,9 +23,11 @@ the first registration with at least MIN (torchrun's "last call"). If fewer than
 alive for ``--rdzv-timeout`` seconds, the agents exit: 0 when the
 last round ended cleanly (the state is in the persistent backup), 1 after a failure.
 
-Losing the rendezvous host (the agent serving the store) ends the job: the other agents cannot
-agree on anything without it, so they kill their processes and exit with status 1 once the store
-has not answered for ``host_timeout_s``; restarting the agents resumes from the persistent backup.
+Losing the rendezvous host (the agent serving the store) does not end the job: once the store has
+not answered for ``host_timeout_s``, the agents of the last round move it to the first live agent
+in the round's order (``Agent._fail_over``), which serves a new store on its own address and the
+rendezvous port; the round has failed, and the next resumes from memory. An agent that was in no
+round yet has no one to move to and exits with status 1.
 """
 
 from __future__ import annotations

