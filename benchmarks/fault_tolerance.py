@@ -9,6 +9,7 @@ shared by the agents (as a job's cache directory would be). Each scenario acts a
 
 * SIGKILL of one process (rank 1), the other hosts' agents stay;
 * loss of a whole host (its agent SIGKILLed; its process dies with it);
+* loss of the rendezvous store's host (agent 0 SIGKILLed: the store moves to the next agent);
 * SIGSTOP of one process (a hang; ``--hang-timeout 5``);
 * SIGTERM to an agent (a preemption notice: its host leaves at an agreed step);
 * a host joining (2 agents running, a third started at step 4);
@@ -176,10 +177,11 @@ class Job:
         codes = [p.wait(timeout=timeout) for p in self.procs]
         return codes
 
-    def result(self, failure_t, reference):
+    def result(self, failure_t, reference, rank0=0):
+        """The row of a finished job; `rank0` is the agent whose log has rank 0 after the failure."""
         import numpy as np
 
-        out = self.text(0)
+        out = self.text(rank0)
         m = re.search(r"resumed from (\w+) step (\w+)", out.split("trained step")[-1])
         resumed = int(m[2]) if m[2] != "None" else 0
         done = [int(s) for d in re.findall(r"last completed step per local rank \{([^}]*)\}",
@@ -254,6 +256,16 @@ def main():
     job.procs[2].kill()
     assert job.finish()[:2] == [0, 0], job.text()[-3000:]
     rows.append(("loss of a whole host (agent + process SIGKILLed)", job.result(t, reference)))
+
+    print("loss of the rendezvous store's host ...", flush=True)
+    job = agents("store-host")
+    job.wait_for(0, r"trained step 6 ")
+    t = time.time()
+    job.procs[0].kill()  # the agent serving the store (and rank 0's host)
+    assert job.finish()[1:3] == [0, 0], job.text()[-3000:]
+    (successor,) = [i for i in (1, 2) if "this agent serves it now" in job.text(i)]
+    rows.append(("loss of the rendezvous store's host (store moves to the next agent)",
+                 job.result(t, reference, rank0=successor)))
 
     print("SIGSTOP of one process ...", flush=True)
     job = Job(tmp, "stop", cache)
