@@ -99,7 +99,7 @@ def test_rendezvous_store_namespaces_jobs_and_reports_ages():
 def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     import tempfile
 
-    from jaxdist import launch
+    from jaxdist import launch_group
 
     monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else
                         os.path.exists(p) and not os.path.isfile(p))
@@ -107,7 +107,7 @@ def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     dead = subprocess_pid_that_exited()
     (tmp_path / f"jaxdist-state-{dead}-abc").mkdir()
     (tmp_path / f"jaxdist-state-{os.getpid()}-def").mkdir()
-    made = launch._make_state_dir()
+    made = launch_group._make_state_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"jaxdist-state-{os.getpid()}-def", os.path.basename(made)])
 
