@@ -19,7 +19,8 @@ Like torchrun's store it needs no authentication, so by default run it on a trus
 ``JAXDIST_RDZV_TOKEN`` set (the same value on every host) each call must carry that token (compared
 in constant time) or is refused. Whatever arrives is treated as hostile: a request is at most
 ``MAX_REQUEST_BYTES``, keys are strings of at most ``MAX_KEY_CHARS``, the store holds at most
-``MAX_KEYS`` keys, and JSON's ``NaN`` / ``Infinity`` are refused. Keys are namespaced by the
+``MAX_KEYS`` keys and ``MAX_STORE_BYTES`` bytes (so a reply is bounded too), and JSON's ``NaN`` /
+``Infinity`` and nesting past the interpreter's limit are refused. Keys are namespaced by the
 rendezvous id, so jobs sharing an endpoint do not mix.
 """
 
@@ -42,6 +43,10 @@ MAX_REQUEST_BYTES = 64 * 1024
 MAX_KEY_CHARS = 512
 MAX_KEYS = 4096
 """Keys the store holds at most; a new key past this is refused (agents use a few per host)."""
+MAX_STORE_BYTES = 8 * 1024 * 1024
+"""Bytes of keys and values the store holds at most, so that a ``list`` reply stays bounded."""
+MAX_REPLY_BYTES = 2 * MAX_STORE_BYTES
+"""The largest reply a client reads (a whole-store ``list`` with its per-key framing)."""
 
 
 def _no_constants(name: str):
@@ -65,20 +70,30 @@ class RendezvousError(RuntimeError):
 class _Store:
     def __init__(self):
         self._data: dict[str, tuple[Any, float]] = {}
+        self._sizes: dict[str, int] = {}  # bytes of each key and its value, as JSON
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    def _put(self, key: str, value: Any, now: float) -> None:
+        size = len(key) + len(json.dumps(value))
+        grows = size - self._sizes.get(key, 0)
+        if key not in self._data and len(self._data) >= MAX_KEYS:
+            raise OverflowError(f"the store holds {MAX_KEYS} keys already")
+        if self._bytes + grows > MAX_STORE_BYTES:
+            raise OverflowError(f"the store holds {self._bytes} bytes; this value would pass "
+                                f"{MAX_STORE_BYTES}")
+        self._data[key], self._sizes[key] = (value, now), size
+        self._bytes += grows
 
     def handle(self, method: str, req: dict) -> Any:
         now = time.monotonic()
         with self._lock:
-            if method in ("set", "set_if_absent") and req["key"] not in self._data \
-                    and len(self._data) >= MAX_KEYS:
-                raise OverflowError(f"the store holds {MAX_KEYS} keys already")
             if method == "set":
-                self._data[req["key"]] = (req["value"], now)
+                self._put(req["key"], req["value"], now)
                 return True
             if method == "set_if_absent":
                 if req["key"] not in self._data:
-                    self._data[req["key"]] = (req["value"], now)
+                    self._put(req["key"], req["value"], now)
                 return self._data[req["key"]][0]
             if method == "get":
                 item = self._data.get(req["key"])
@@ -87,7 +102,8 @@ class _Store:
                 return {k: [v, now - t] for k, (v, t) in self._data.items()
                         if k.startswith(req["prefix"])}
             if method == "delete":
-                self._data.pop(req["key"], None)
+                if self._data.pop(req["key"], None) is not None:
+                    self._bytes -= self._sizes.pop(req["key"])
                 return True
         raise ValueError(f"unknown method {method!r}")
 
@@ -120,6 +136,9 @@ def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] 
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RecursionError:  # JSON nested past the interpreter's limit
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is nested "
+                              "too deeply")
         return grpc.unary_unary_rpc_method_handler(call)
 
     methods = ("set", "set_if_absent", "get", "list", "delete")
@@ -158,7 +177,8 @@ class RendezvousClient:
         self._timeout = timeout_s
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_receive_message_length", MAX_REPLY_BYTES)])
         self._stubs: dict[str, Any] = {}
 
     def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:

@@ -142,7 +142,8 @@ def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch)
             good.set("k" * (rendezvous.MAX_KEY_CHARS + 1), 1)
         channel = grpc.insecure_channel(addr)
         raw = channel.unary_unary("/jaxdist.Rendezvous/set")
-        for body in (b'{"key": "job/n", "value": NaN}', b"[1, 2]", b"not json"):
+        for body in (b'{"key": "job/n", "value": NaN}', b"[1, 2]", b"not json",
+                     b'{"key": "job/n", "value": ' + b"[" * 20000 + b"]" * 20000 + b"}"):
             with pytest.raises(grpc.RpcError) as e:
                 raw(body, timeout=5, metadata=(("x-jaxdist-rdzv-token", "s3cret"),))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, body
@@ -152,5 +153,16 @@ def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch)
         with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):
             good.set("b", 1); good.set("c", 1)
         good.set("a", 2)  # an existing key may still change
+        monkeypatch.setattr(rendezvous, "MAX_KEYS", 4096)
+        monkeypatch.setattr(rendezvous, "MAX_STORE_BYTES", 100_000)
+        for i in range(3):  # 3 x ~40 KB: the third passes the store's byte limit
+            if i < 2:
+                good.set(f"v{i}", "x" * 40_000)
+            else:
+                with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):
+                    good.set(f"v{i}", "x" * 40_000)
+        good.delete("v0")
+        good.set("v2", "x" * 40_000)  # deleting gave the bytes back
+        assert len(good.list("v")) == 2
     finally:
         server.stop(0)
