@@ -73,22 +73,7 @@ def main() -> None:
 
     strategy = ours.strategy
 
-    def replica_step(state, batch):
-        xb, yb = batch.data
-
-        def loss_fn(params):  # the local mean's share of the global mean
-            logits = state.apply_fn({"params": params}, xb)
-            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
-            return per_example.mean() / jaxdist.num_replicas()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        grads = jaxdist.all_reduce(grads, "sum")
-        return state.apply_gradients(grads=grads), {"loss": jaxdist.all_reduce(loss, "sum")}
-
-    def per_replica(state, batch):
-        return strategy.run(replica_step, args=(state, jaxdist.Batch(batch, None)))
-
-    def readme_step(state, batch):  # the README's replica step: the loss is left per replica
+    def local_loss_and_grads(state, batch):  # the local mean's share of the global mean
         xb, yb = batch.data
 
         def loss_fn(params):
@@ -96,7 +81,18 @@ def main() -> None:
             per_example = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
             return per_example.mean() / jaxdist.num_replicas()
 
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return jax.value_and_grad(loss_fn)(state.params)
+
+    def replica_step(state, batch):
+        loss, grads = local_loss_and_grads(state, batch)
+        grads = jaxdist.all_reduce(grads, "sum")
+        return state.apply_gradients(grads=grads), {"loss": jaxdist.all_reduce(loss, "sum")}
+
+    def per_replica(state, batch):
+        return strategy.run(replica_step, args=(state, jaxdist.Batch(batch, None)))
+
+    def readme_step(state, batch):  # the README's replica step: the loss is left per replica
+        loss, grads = local_loss_and_grads(state, batch)
         return state.apply_gradients(grads=jaxdist.all_reduce(grads, "sum")), loss
 
     def readme(state, batch):  # the README's loop: run, then reduce the loss every step
