@@ -341,20 +341,35 @@ class Agent:
                 draining, self._stop = True, stop
                 write_stop(self.l._state_dir, stop)
 
-
     def _fail_over(self, error: RendezvousError) -> bool:
         """Moves the store to the next agent of the last round when its host is lost.
 
-        Every agent of the last round walks the round's order (the serving agent left out) and
-        takes the first agent that can serve: that agent serves a new store on its own address
-        and the rendezvous port, the others wait up to twice the host timeout for it to answer,
-        then try the next. The round that was running has failed; the next one resumes from
+        Only a store silent for the host timeout is moved (an answer in that time keeps it: the
+        round has failed and the job re-forms on it). Every agent of the last round then walks
+        the round's order (the serving agent left out) and takes the first agent that can serve:
+        that agent serves a new store on its own address and the rendezvous port, the others
+        wait up to twice the host timeout for it to answer, then try the next. The round that was running has failed; the next one resumes from
         memory. Returns False when there is no one to move to (this agent served the store
         itself, was not in a round yet, or no candidate answered).
         """
         if self.server is not None or not self._members or self._server_id is None:
             return False
         old = self.store.address
+        # One call past its deadline is not a lost host (a stall, a slow network): only a store
+        # that stays silent for the host timeout is moved, or two stores could split the job.
+        probe = RendezvousClient(old, self.rdzv_id, timeout_s=0.5)
+        end = time.monotonic() + self.host_timeout_s
+        try:
+            while time.monotonic() < end:
+                try:
+                    probe.get("open")
+                    self.say(f"the rendezvous store answered again ({error}); the round is "
+                             "failed, the job re-forms on the same store")
+                    return True
+                except RendezvousError:
+                    time.sleep(0.2)
+        finally:
+            probe.close()
         n = self._round + 1
         for k, info in self._members:
             if k == self._server_id:
@@ -368,6 +383,7 @@ class Agent:
                 store = RendezvousClient(address, self.rdzv_id)
                 store.set("server", self.id)
                 store.set("open", n)
+                self.store.close()
                 self.store = store
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
@@ -378,7 +394,9 @@ class Agent:
             while time.monotonic() < end:
                 try:
                     if store.get("server") == k:
-                        self.store = store
+                        store.close()
+                        self.store.close()
+                        self.store = RendezvousClient(address, self.rdzv_id)  # usual deadline
                         self.say(f"the rendezvous store on {old} is lost ({error}); agent {k} "
                                  f"serves it now on {address}")
                         return True

@@ -53,10 +53,30 @@ def _no_constants(name: str):
     raise ValueError(f"non-finite number {name} in a rendezvous message")
 
 
+MAX_DEPTH = 32
+"""How deeply a value may nest (agents store flat records)."""
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _decode(request: bytes) -> dict:
     req = json.loads(request, parse_constant=_no_constants)
     if not isinstance(req, dict):
         raise ValueError("a rendezvous request is a JSON object")
+    if _depth(req) > MAX_DEPTH:
+        raise ValueError(f"a rendezvous message nests deeper than {MAX_DEPTH} levels")
     for field in ("key", "prefix"):
         if field in req and not (isinstance(req[field], str) and len(req[field]) <= MAX_KEY_CHARS):
             raise ValueError(f"{field} must be a string of at most {MAX_KEY_CHARS} characters")
@@ -75,7 +95,7 @@ class _Store:
         self._lock = threading.Lock()
 
     def _put(self, key: str, value: Any, now: float) -> None:
-        size = len(key) + len(json.dumps(value))
+        size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
         grows = size - self._sizes.get(key, 0)
         if key not in self._data and len(self._data) >= MAX_KEYS:
             raise OverflowError(f"the store holds {MAX_KEYS} keys already")
@@ -191,7 +211,13 @@ class RendezvousClient:
         except grpc.RpcError as e:
             raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
                                   f"{e.code().name}: {e.details()}") from None
-        return json.loads(reply, parse_constant=_no_constants)
+        except ValueError as e:  # the channel was closed (the store moved; another thread's call)
+            raise RendezvousError(f"rendezvous store at {self.address}: {method}: {e}") from None
+        try:
+            return json.loads(reply, parse_constant=_no_constants)
+        except (ValueError, RecursionError) as e:
+            raise RendezvousError(f"rendezvous store at {self.address}: {method}: a reply that "
+                                  f"is not plain JSON ({type(e).__name__})") from None
 
     def set(self, key: str, value: Any) -> None:
         """Sets ``key`` (JSON-serialisable value)."""

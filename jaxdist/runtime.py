@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -182,19 +183,21 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
 
     def message() -> str:  # built when the watchdog fires: process 0 can then say who came
         who = (_who_is_missing(spec, arrivals.most()) if arrivals else
-               "Process 0's log names the processes that did not connect.")
+               "Process 0's log says how many connected, and from where.")
         return (f"{where}: not all {spec.num_processes} processes joined the coordinator at "
                 f"{spec.coordinator_address} within {timeout_s:g} s. {who} Check that all "
                 f"{spec.num_processes} processes were started with the same coordinator "
                 "address and process count and distinct process ids, and the logs of the "
                 "missing ones.")
-    with _Watchdog(remaining, message):
-        jax.distributed.initialize(
-            coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
-            process_id=spec.process_id, local_device_ids=spec.local_device_ids,
-            initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
-    if arrivals:
-        arrivals.stop()
+    try:
+        with _Watchdog(remaining, message):
+            jax.distributed.initialize(
+                coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+                process_id=spec.process_id, local_device_ids=spec.local_device_ids,
+                initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
+    finally:
+        if arrivals:
+            arrivals.stop()
     _shutdown_at_exit()
 
 
@@ -250,8 +253,8 @@ def _join_autodetected(timeout_s: float) -> ClusterSpec:
     return _adopt_running_runtime()
 
 
-def _peer_connections(port: int) -> list[str] | None:
-    """Source addresses of the other processes connected to this process's coordinator port.
+def _peer_connections(port: int) -> list[tuple[str, int]] | None:
+    """Source ``(address, port)`` of the other processes connected to this process's coordinator.
 
     JAX's coordination service (hosted by process 0) names nobody when a process never
     registers, and it cannot be asked before every process has; the kernel's socket table
@@ -278,15 +281,15 @@ def _peer_connections(port: int) -> list[str] | None:
             if len(r) > 9 and r[3] == "01" and r[9] in mine]
     accepted = [remote for local, remote in live if local[1] == port]
     own_clients = {local for local, remote in live if remote[1] == port}
-    return sorted(host for host, p in accepted if (host, p) not in own_clients)
+    return sorted(peer for peer in accepted if peer not in own_clients)
 
 
 def _proc_address(field: str) -> tuple[str, int]:
     """("10.0.0.2", 1234) from /proc/net/tcp's "0200000A:04D2" (IPv6 and v4-mapped too)."""
     hex_ip, hex_port = field.split(":")
     raw = bytes.fromhex(hex_ip)
-    # The kernel prints each 32-bit word in host (little-endian) order.
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
         raw = raw[12:]  # an IPv4 peer on a dual-stack socket
     family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
@@ -296,12 +299,14 @@ def _proc_address(field: str) -> tuple[str, int]:
 class _Arrivals:
     """Samples `_peer_connections` while process 0 waits, keeping the fullest view.
 
-    The processes that did connect time out at about the same moment as process 0 and exit,
-    so the socket table at the deadline may already have lost them.
+    The processes that did connect time out at about the same moment as process 0 and exit, so
+    the socket table at the deadline may already have lost them. Only connections seen in two
+    samples in a row count: a peer's port probe (`_wait_for_listener`) comes and goes at once.
     """
 
     def __init__(self, port: int, every_s: float = 0.5):
         self._port, self._every_s = port, every_s
+        self._last: set | None = None
         self._best: list[str] | None = None
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="jaxdist-arrivals", daemon=True).start()
@@ -313,12 +318,16 @@ class _Arrivals:
 
     def _sample(self) -> None:
         peers = _peer_connections(self._port)
-        if peers is not None and (self._best is None or len(peers) > len(self._best)):
-            self._best = peers
+        if peers is None:
+            return
+        stable = set(peers) & self._last if self._last is not None else set()
+        self._last = set(peers)
+        if self._best is None or len(stable) > len(self._best):
+            self._best = sorted(host for host, _ in stable)
 
     def most(self) -> list[str] | None:
-        """The most connections seen at once, from which hosts; None without a socket table."""
-        self._sample()
+        """Hosts of the most connections seen at once (one entry per connection); None without
+        a socket table."""
         return self._best
 
     def stop(self) -> None:
@@ -334,12 +343,19 @@ def _who_is_missing(spec: ClusterSpec, peers: list[str] | None) -> str:
     text = (f"{len(peers)} of the {others} other processes connected (from {came}); "
             f"{max(others - len(peers), 0)} did not." if peers else
             f"None of the {others} other processes connected.")
-    if len(spec.workers) != spec.num_processes:
+    if len(spec.workers) != spec.num_processes or len(peers) >= others:
         return text  # the job's addresses are unknown (JAXDIST_* / scheduler): counts only
-    local = _local_addresses(split_address(spec.coordinator_address)[0])
+    hosts = {pid: split_address(spec.workers[pid])[0] for pid in range(1, spec.num_processes)}
+    coordinator = split_address(spec.coordinator_address)[0]
+    resolved = _resolve_all({*hosts.values(), coordinator, socket.gethostname()})
+    local = {"127.0.0.1", "::1"} | resolved[coordinator] | resolved[socket.gethostname()]
     by_host: dict[frozenset, list[int]] = {}
-    for pid in range(1, spec.num_processes):
-        addresses = _resolve(split_address(spec.workers[pid])[0])
+    unknown = []
+    for pid, host in hosts.items():
+        addresses = resolved[host]
+        if not addresses:
+            unknown.append(pid)  # not resolved here: cannot tell whether it came
+            continue
         key = frozenset({"this host"} if addresses & local else addresses)
         by_host.setdefault(key, []).append(pid)
     missing = []
@@ -349,28 +365,31 @@ def _who_is_missing(spec: ClusterSpec, peers: list[str] | None) -> str:
             names = ", ".join(f"{pid} ({spec.workers[pid]})" for pid in pids)
             missing.append(f"process {names}" if len(pids) == 1 else
                            f"{len(pids) - seen} of processes {names}")
-    return text + (f" Not connected: {'; '.join(missing)}." if missing else "")
+    if missing:
+        text += f" No connection seen from: {'; '.join(missing)}."
+    if unknown:
+        text += f" Processes {unknown}: their hosts do not resolve here."
+    return text
 
 
-def _local_addresses(coordinator_host: str) -> set[str]:
-    """Addresses a process on this host may connect from: loopback and this host's own."""
-    found = {"127.0.0.1", "::1"} | _resolve(coordinator_host) | _resolve(socket.gethostname())
-    return {a for a in found if a}
+def _resolve_all(hosts: set[str], timeout_s: float = 3.0) -> dict[str, set[str]]:
+    """``{host: addresses}``, resolved in parallel within `timeout_s` in all (empty if not)."""
+    out: dict[str, set[str]] = {h: set() for h in hosts}
 
-
-def _resolve(host: str, timeout_s: float = 2.0) -> set[str]:
-    """The addresses `host` resolves to (empty if it does not within timeout_s)."""
-    out: set[str] = set()
-
-    def lookup():
+    def lookup(host):
         try:
-            out.update(info[4][0] for info in socket.getaddrinfo(host, None))
+            found = {info[4][0] for info in socket.getaddrinfo(host, None)}
         except OSError:
-            pass
-    worker = threading.Thread(target=lookup, daemon=True)
-    worker.start()
-    worker.join(timeout_s)  # DNS has no timeout of its own; the watchdog must still exit
-    return set(out) if not worker.is_alive() else set()
+            return
+        out[host] = found
+
+    threads = [threading.Thread(target=lookup, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s  # DNS has no timeout of its own; the exit must come
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return {h: set(a) for h, a in out.items()}
 
 
 # JAX's own deadline is set past ours so that the watchdog's clear message comes first.

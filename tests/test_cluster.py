@@ -287,9 +287,9 @@ def test_initialize_timeout_names_the_processes_that_never_connected():
         for proc in procs:
             proc.kill()
     assert [proc.returncode for proc in procs] == [1, 1], outputs
-    assert ("1 of the 2 other processes connected (from 127.0.0.1 (1)); 1 did not. Not "
-            "connected: process 2 (10.255.255.1:2222).") in outputs[0], outputs
-    assert "Process 0's log names the processes that did not connect" in outputs[1], outputs[1]
+    assert ("1 of the 2 other processes connected (from 127.0.0.1 (1)); 1 did not. No "
+            "connection seen from: process 2 (10.255.255.1:2222).") in outputs[0], outputs
+    assert "Process 0's log says how many connected, and from where" in outputs[1], outputs[1]
 
 
 def test_initialize_after_backend_started_says_to_call_it_first():

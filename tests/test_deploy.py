@@ -84,7 +84,7 @@ def _check_joined(reports, n=2, coordinator=None):
     for r in reports:
         assert r["process_index"] == r["process_id"] and r["process_count"] == n
         assert r["num_processes"] == n and r["gathered"] == list(range(n))
-        assert r["shutdown_at_exit"]  # jax.distributed.shutdown() runs on the way out
+        assert r["shutdown_at_exit"]  # jax.distributed.shutdown() is registered to run at exit
         if coordinator:
             assert r["coordinator"] == coordinator
 

@@ -143,7 +143,8 @@ def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch)
         channel = grpc.insecure_channel(addr)
         raw = channel.unary_unary("/jaxdist.Rendezvous/set")
         for body in (b'{"key": "job/n", "value": NaN}', b"[1, 2]", b"not json",
-                     b'{"key": "job/n", "value": ' + b"[" * 20000 + b"]" * 20000 + b"}"):
+                     b'{"key": "job/n", "value": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+                     b'{"key": "job/n", "value": ' + b"[" * 40 + b"]" * 40 + b"}"):
             with pytest.raises(grpc.RpcError) as e:
                 raw(body, timeout=5, metadata=(("x-jaxdist-rdzv-token", "s3cret"),))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, body
@@ -164,5 +165,10 @@ def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch)
         good.delete("v0")
         good.set("v2", "x" * 40_000)  # deleting gave the bytes back
         assert len(good.list("v")) == 2
+        good.delete("v1"), good.delete("v2")
+        with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):
+            for i in range(100):  # keys count as their JSON (an emoji is 12 bytes there)
+                good.set("\U0001F600" * 100 + str(i), 1)
+        assert len(good.list("")) < 100  # so a list reply stays within the limit
     finally:
         server.stop(0)
