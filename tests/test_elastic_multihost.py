@@ -92,7 +92,7 @@ class Hosts:
                 a.kill()
 
 
-def _check(hosts, reference, lost_at_most, rank0_logs=(0,)):
+def _check(hosts, reference, lost_at_most, rank0_logs=(0,), rank0_host_lost=False):
     ref_steps, ref_params = reference
     out = hosts.text()
     resumed = int(re.search(r"\[\d+\] attempt 1 resumed from memory step (\d+)", out)[1])
@@ -109,7 +109,11 @@ def _check(hosts, reference, lost_at_most, rank0_logs=(0,)):
         elif m := re.match(r"\[0\] trained step (\d+) epoch (\d+) position (\d+)$", line):
             rounds[-1].append(tuple(map(int, m.groups())))
     first, rest = rounds
-    assert [s for s in first if s[0] <= resumed] + rest == ref_steps
+    if rank0_host_lost:  # its last lines may die with it: check what it printed, then the rest
+        assert first == ref_steps[:len(first)] and len(first) >= resumed - 1, (first, resumed)
+        assert rest == ref_steps[resumed:], (rest, resumed)
+    else:
+        assert [s for s in first if s[0] <= resumed] + rest == ref_steps
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(_params(hosts.tmp / "out.npz"), ref_params))
     assert diff <= 2e-5, diff
@@ -148,7 +152,7 @@ def test_losing_the_rendezvous_host_moves_the_store_and_the_job_goes_on(tmp_path
     # rank 0 was on the lost host in round 0; the agent next in order serves the store and
     # runs rank 0 in round 1
     assert re.search(r"round 1: .*ranks 0\.\.0 of 2", hosts.text(new)), hosts.text(new)
-    _check(hosts, reference, lost_at_most=1, rank0_logs=(0, new))
+    _check(hosts, reference, lost_at_most=1, rank0_logs=(0, new), rank0_host_lost=True)
 
 
 def test_sigterm_to_an_agent_makes_its_host_leave_at_an_agreed_step(tmp_path, reference):
