@@ -93,9 +93,9 @@ class Agent:
     def say(self, message: str) -> None:
         self.l.say(f"[agent {self.id}] {message}")
 
-    def _alive_agents(self) -> dict[str, float]:
-        """``{agent id: seconds since its last heartbeat}`` of the agents not yet lost."""
-        return {k: age for k, (_, age) in self.store.list("alive/").items()
+    def _alive_agents(self) -> dict[str, str]:
+        """``{agent id: its host's name}`` of the agents not yet lost."""
+        return {k: host for k, (host, age) in self.store.list("alive/").items()
                 if age < self.host_timeout_s}
 
     # -- threads -------------------------------------------------------------------------------
@@ -168,9 +168,7 @@ class Agent:
                         return 0 if clean else 128 + self.l._signal
                     if self.store.get("done"):
                         return 0
-                    here = sorted(f"{host} (agent {k.rsplit('/', 1)[-1]})" for k, (host, age)
-                                  in self.store.list("alive/").items()
-                                  if age < self.host_timeout_s)
+                    here = sorted(f"{host} (agent {k})" for k, host in self._alive_agents().items())
                     self.say(f"fewer than {self.min} agents registered within "
                              f"{self.rdzv_timeout_s:g} s ({len(here)} did: "
                              f"{', '.join(here) or 'none'}; {self.min - len(here)} more were "
@@ -225,7 +223,7 @@ class Agent:
                 "order": order})
             while time.monotonic() < deadline and self.store.get("open") == n:
                 time.sleep(0.05)
-                if len(self._alive_agents()) >= self.min:  # a round is running or forming: not too few hosts
+                if len(self._alive_agents()) >= self.min:  # a round runs or forms: enough hosts
                     deadline = time.monotonic() + self.rdzv_timeout_s
             final = self.store.get(f"r{n}/final")
             if final and any(k == self.id for k, _ in final):
@@ -348,29 +346,20 @@ class Agent:
         round has failed and the job re-forms on it). Every agent of the last round then walks
         the round's order (the serving agent left out) and takes the first agent that can serve:
         that agent serves a new store on its own address and the rendezvous port, the others
-        wait up to twice the host timeout for it to answer, then try the next. The round that was running has failed; the next one resumes from
-        memory. Returns False when there is no one to move to (this agent served the store
-        itself, was not in a round yet, or no candidate answered).
+        wait up to twice the host timeout for it to answer, then try the next. The round that
+        was running has failed; the next one resumes from memory. Returns False when there is
+        no one to move to (this agent served the store itself, was not in a round yet, or no
+        candidate answered).
         """
         if self.server is not None or not self._members or self._server_id is None:
             return False
         old = self.store.address
         # One call past its deadline is not a lost host (a stall, a slow network): only a store
         # that stays silent for the host timeout is moved, or two stores could split the job.
-        probe = RendezvousClient(old, self.rdzv_id, timeout_s=0.5)
-        end = time.monotonic() + self.host_timeout_s
-        try:
-            while time.monotonic() < end:
-                try:
-                    probe.get("open")
-                    self.say(f"the rendezvous store answered again ({error}); the round is "
-                             "failed, the job re-forms on the same store")
-                    return True
-                except RendezvousError:
-                    time.sleep(0.2)
-        finally:
-            probe.close()
-        n = self._round + 1
+        if self._answers(old, self.host_timeout_s):
+            self.say(f"the rendezvous store answered again ({error}); the round is failed, the "
+                     "job re-forms on the same store")
+            return True
         for k, info in self._members:
             if k == self._server_id:
                 continue
@@ -380,31 +369,43 @@ class Agent:
                 if self.server is None:
                     self.say(f"cannot serve the rendezvous store on {address} (port taken)")
                     return False
-                store = RendezvousClient(address, self.rdzv_id)
-                store.set("server", self.id)
-                store.set("open", n)
-                self.store.close()
-                self.store = store
+                self._use_store(address)
+                self.store.set("server", self.id)
+                self.store.set("open", self._round + 1)
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
                          f"it now on {address} (new agents: --rdzv-endpoint {address})")
                 return True
-            store = RendezvousClient(address, self.rdzv_id, timeout_s=1.0)
-            end = time.monotonic() + 2 * self.host_timeout_s
+            if self._answers(address, 2 * self.host_timeout_s, server=k):
+                self._use_store(address)
+                self.say(f"the rendezvous store on {old} is lost ({error}); agent {k} serves it "
+                         f"now on {address}")
+                return True
+        return False
+
+    def _answers(self, address: str, within_s: float, server: str | None = None) -> bool:
+        """Whether the store at ``address`` answers within ``within_s`` (served by ``server``,
+        when given), asked with a short deadline every 0.1 s."""
+        probe = RendezvousClient(address, self.rdzv_id, timeout_s=0.5)
+        end = time.monotonic() + within_s
+        try:
             while time.monotonic() < end:
                 try:
-                    if store.get("server") == k:
-                        store.close()
-                        self.store.close()
-                        self.store = RendezvousClient(address, self.rdzv_id)  # usual deadline
-                        self.say(f"the rendezvous store on {old} is lost ({error}); agent {k} "
-                                 f"serves it now on {address}")
+                    found = probe.get("server")  # any answer, or the expected server's
+                    if server is None or found == server:
                         return True
                 except RendezvousError:
                     pass
                 time.sleep(0.1)
-            store.close()
-        return False
+            return False
+        finally:
+            probe.close()
+
+    def _use_store(self, address: str) -> None:
+        """Talks to the store at ``address`` from now on (the usual deadline); the old channel
+        is closed, so a thread still using it gets a RendezvousError."""
+        self.store.close()
+        self.store = RendezvousClient(address, self.rdzv_id)
 
     def _serve_until_done(self) -> None:
         """A leaving agent that serves the store keeps serving it (without processes) until the

@@ -20,7 +20,7 @@ Like torchrun's store it needs no authentication, so by default run it on a trus
 in constant time) or is refused. Whatever arrives is treated as hostile: a request is at most
 ``MAX_REQUEST_BYTES``, keys are strings of at most ``MAX_KEY_CHARS``, the store holds at most
 ``MAX_KEYS`` keys and ``MAX_STORE_BYTES`` bytes (so a reply is bounded too), and JSON's ``NaN`` /
-``Infinity`` and nesting past the interpreter's limit are refused. Keys are namespaced by the
+``Infinity`` and values nested past ``MAX_DEPTH`` levels are refused. Keys are namespaced by the
 rendezvous id, so jobs sharing an endpoint do not mix.
 """
 
@@ -89,20 +89,19 @@ class RendezvousError(RuntimeError):
 
 class _Store:
     def __init__(self):
-        self._data: dict[str, tuple[Any, float]] = {}
-        self._sizes: dict[str, int] = {}  # bytes of each key and its value, as JSON
+        self._data: dict[str, tuple[Any, float, int]] = {}  # key: (value, set at, its bytes)
         self._bytes = 0
         self._lock = threading.Lock()
 
     def _put(self, key: str, value: Any, now: float) -> None:
         size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
-        grows = size - self._sizes.get(key, 0)
+        grows = size - self._data[key][2] if key in self._data else size
         if key not in self._data and len(self._data) >= MAX_KEYS:
             raise OverflowError(f"the store holds {MAX_KEYS} keys already")
         if self._bytes + grows > MAX_STORE_BYTES:
             raise OverflowError(f"the store holds {self._bytes} bytes; this value would pass "
                                 f"{MAX_STORE_BYTES}")
-        self._data[key], self._sizes[key] = (value, now), size
+        self._data[key] = (value, now, size)
         self._bytes += grows
 
     def handle(self, method: str, req: dict) -> Any:
@@ -119,11 +118,12 @@ class _Store:
                 item = self._data.get(req["key"])
                 return None if item is None else item[0]
             if method == "list":  # {key: [value, seconds since it was set]}
-                return {k: [v, now - t] for k, (v, t) in self._data.items()
+                return {k: [v, now - t] for k, (v, t, _) in self._data.items()
                         if k.startswith(req["prefix"])}
             if method == "delete":
-                if self._data.pop(req["key"], None) is not None:
-                    self._bytes -= self._sizes.pop(req["key"])
+                item = self._data.pop(req["key"], None)
+                if item is not None:
+                    self._bytes -= item[2]
                 return True
         raise ValueError(f"unknown method {method!r}")
 

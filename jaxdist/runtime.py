@@ -346,9 +346,9 @@ def _who_is_missing(spec: ClusterSpec, peers: list[str] | None) -> str:
     if len(spec.workers) != spec.num_processes or len(peers) >= others:
         return text  # the job's addresses are unknown (JAXDIST_* / scheduler): counts only
     hosts = {pid: split_address(spec.workers[pid])[0] for pid in range(1, spec.num_processes)}
-    coordinator = split_address(spec.coordinator_address)[0]
-    resolved = _resolve_all({*hosts.values(), coordinator, socket.gethostname()})
-    local = {"127.0.0.1", "::1"} | resolved[coordinator] | resolved[socket.gethostname()]
+    coordinator, me = split_address(spec.coordinator_address)[0], socket.gethostname()
+    resolved = _resolve_all({*hosts.values(), coordinator, me})
+    local = {"127.0.0.1", "::1"} | resolved[coordinator] | resolved[me]
     by_host: dict[frozenset, list[int]] = {}
     unknown = []
     for pid, host in hosts.items():
