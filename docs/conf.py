@@ -104,7 +104,8 @@ html_theme_options = {
     "path_to_docs": "docs",
     "use_repository_button": True,
     "use_issues_button": True,
-    "launch_buttons": {"colab_url": "https://colab.research.google.com"},
+    # No theme launch button: it would open docs/notebooks/ (the build's copy, not in the
+    # repository); each notebook's own "Open in Colab" badge links to notebooks/.
     "show_toc_level": 2,
 }
 html_static_path: list[str] = []
