@@ -78,8 +78,13 @@ def _unset(default) -> bool:
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Gives ``parser`` and its subcommands' parsers :class:`DefaultsHelpFormatter`; returns it."""
-    parser.formatter_class = DefaultsHelpFormatter
+    """Gives ``parser`` and its subcommands' parsers :class:`DefaultsHelpFormatter`; returns it.
+
+    A parser that keeps its description's line breaks keeps them
+    (:class:`RawDescriptionDefaultsHelpFormatter`).
+    """
+    raw = issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter)
+    parser.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
     for action in parser._actions:
         if action.help is None and action.option_strings and not _unset(action.default):
             action.help = "(default: %(default)s)"  # argparse prints no help line without a text

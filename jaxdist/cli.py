@@ -27,13 +27,22 @@ def bench(argv: list[str]) -> int:
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     names = sorted(f[:-3] for f in os.listdir(root) if f.endswith(".py")) if os.path.isdir(root) else []
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: jaxdist bench NAME [args]   (NAME: {', '.join(names) or 'none found'})")
+        print(f"usage: jaxdist bench NAME [args]   (NAME: {', '.join(names) or 'none found'}; "
+              f"jaxdist bench NAME -h: its options and their defaults)")
         return 0 if argv else 2
     if argv[0] not in names:
         raise SystemExit(f"jaxdist bench: no benchmark {argv[0]!r}; available: {names or 'none'} "
                          f"(benchmarks ship with the source checkout, not the wheel)")
     sys.argv = [os.path.join(root, argv[0] + ".py"), *argv[1:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    # Each benchmark builds a plain parser of its own; `jaxdist bench NAME --help` shows defaults as
+    # every other subcommand's help does.
+    parse = argparse.ArgumentParser.parse_known_args
+    argparse.ArgumentParser.parse_known_args = (
+        lambda self, *args, **kwargs: parse(_output.show_defaults(self), *args, **kwargs))
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        argparse.ArgumentParser.parse_known_args = parse
     return 0
 
 

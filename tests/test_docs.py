@@ -135,6 +135,37 @@ def test_links_into_the_site_name_pages_that_exist():
         assert os.path.exists(os.path.join(REPO, "docs", page + ".md")), f"README links to {SITE}{link}"
 
 
+def test_the_package_version_is_the_changelogs_newest_release():
+    """CHANGELOG.md in Keep a Changelog form: dated releases, newest first, each with its link; the
+    newest one is the version pyproject.toml and ``jaxdist.__version__`` carry."""
+    import jaxdist
+
+    changelog = open(os.path.join(REPO, "CHANGELOG.md"), encoding="utf-8").read()
+    sections = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", changelog, re.M)
+    released = [(v, d) for v, d in sections if v != "Unreleased"]
+    assert released and all(d for _, d in released), f"a released section without a date: {sections}"
+    assert [d for _, d in released] == sorted((d for _, d in released), reverse=True), "newest first"
+    for version, _ in sections:
+        assert re.search(rf"^\[{re.escape(version)}\]: https://", changelog, re.M), f"no link for [{version}]"
+    pyproject = open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8").read()
+    version = re.search(r'^version = "([^"]+)"$', pyproject, re.M).group(1)
+    assert released[0][0] == version == jaxdist.__version__, (released[0][0], version, jaxdist.__version__)
+
+
+def test_read_the_docs_and_ci_build_the_site_with_warnings_as_errors():
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(open(os.path.join(REPO, ".readthedocs.yaml")))
+    assert config["version"] == 2
+    assert config["build"]["os"].startswith("ubuntu-") and config["build"]["tools"]["python"]
+    assert config["sphinx"] == {"configuration": "docs/conf.py", "fail_on_warning": True}
+    (install,) = config["python"]["install"]
+    assert install == {"method": "pip", "path": ".", "extra_requirements": ["docs"]}
+    assert re.search(r"^docs = \[", open(os.path.join(REPO, "pyproject.toml")).read(), re.M)
+    ci = open(os.path.join(REPO, ".ci", "run")).read()
+    assert '-e ".[test,docs]"' in ci
+    assert ci.index("python -m sphinx -W --keep-going -q -b html docs docs/_build/html") < ci.index("pytest")
+
+
 def test_every_public_name_is_in_the_api_reference_with_a_docstring():
     """The reference pages are generated from these names (docs/apiref.py); the build checks the
     rendered entries, this checks the listing and the docstrings without Sphinx."""
@@ -164,10 +195,13 @@ def test_every_public_name_is_in_the_api_reference_with_a_docstring():
 @pytest.mark.parametrize("argv,default", [
     (["train", "--help"], "(default: 128)"), (["evaluate", "--help"], "(default: 1.0)"),
     (["plan", "--help"], "(default: 64)"), (["launch", "--help"], "(default: 20.0)"),
-    (["ps", "--help"], "(default: 512.0)")])
-def test_cli_help_shows_defaults(argv, default, capsys):
+    (["ps", "--help"], "(default: 512.0)"), (["bench", "overhead", "--help"], "(default: 512)")])
+def test_cli_help_shows_defaults(argv, default, capsys, monkeypatch):
+    import sys
+
     from jaxdist import cli
 
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # `jaxdist bench` hands the benchmark its argv
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     assert exit_.value.code == 0
