@@ -181,9 +181,12 @@ def factory_size(spec: str) -> tuple[int, int, int | None, int]:
     ``module:factory``.
 
     The factory takes no arguments and returns a train state (anything with ``.params``, such as
-    flax's ``TrainState``: its ``.opt_state`` is measured too) or a parameter pytree (a linen
-    ``model.init(...)`` result, an NNX ``nnx.state(model)``, a dict of arrays). It runs under
-    ``jax.eval_shape`` where it can, so no memory is allocated for the arrays.
+    flax's ``TrainState``: its ``.opt_state`` is measured too), a state that holds the optimizer
+    beside the model (``(model, nnx.Optimizer(...))``, an Equinox ``(model, opt_state)``,
+    ``(params, opt.init(params))``: the optimizer's part is measured as optimizer state, not as
+    parameters) or a parameter pytree (a linen ``model.init(...)`` result, an NNX module or
+    ``nnx.state(model)``, a dict of arrays). It runs under ``jax.eval_shape`` where it can, so no
+    memory is allocated for the arrays.
 
     Raises:
       SystemExit: the spec is malformed, does not import, or returns no arrays.
@@ -211,8 +214,7 @@ def factory_size(spec: str) -> tuple[int, int, int | None, int]:
         out = jax.eval_shape(factory)
     except Exception:  # not traceable (numpy inside, a module object): build it for real
         out = factory()
-    params = getattr(out, "params", out)
-    opt = getattr(out, "opt_state", None)
+    params, opt = _params_and_optimizer(out)
 
     def arrays(tree):
         return [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
@@ -225,6 +227,38 @@ def factory_size(spec: str) -> tuple[int, int, int | None, int]:
     nbytes = sum(x.size * x.dtype.itemsize for x in leaves)
     opt_bytes = sum(x.size * x.dtype.itemsize for x in arrays(opt)) if opt is not None else None
     return int(nbytes), len(leaves), opt_bytes, int(sum(x.size for x in leaves))
+
+
+def _params_and_optimizer(state):
+    """A factory's result as (parameters, optimizer state or None).
+
+    jaxdist's states keep the optimizer beside the model (``(model, nnx.Optimizer)``, ``(model,
+    opt_state)``, ``{"params": ..., "opt": ...}``): the parts that hold an optimizer's state are
+    the optimizer, the others the parameters, so Adam's two slots are not counted as gradients.
+    """
+    if hasattr(state, "params"):  # flax's TrainState and its kind
+        return state.params, getattr(state, "opt_state", None)
+    if type(state) in (tuple, list, dict):  # not a NamedTuple: optax's states are those
+        parts = list(state.values()) if isinstance(state, dict) else list(state)
+        opt = [part for part in parts if _holds_optimizer(part)]
+        if opt and len(opt) < len(parts):
+            return [part for part in parts if not _holds_optimizer(part)], opt
+    return state, None
+
+
+def _holds_optimizer(tree) -> bool:
+    """Whether ``tree`` holds an optax state (optax's NamedTuples) or a Flax NNX optimizer."""
+    import sys
+
+    import jax
+
+    nnx = sys.modules.get("flax.nnx")  # loaded by whoever built an nnx.Optimizer
+
+    def is_optimizer(x):
+        return (type(x).__module__.partition(".")[0] == "optax"
+                or (nnx is not None and isinstance(x, nnx.Optimizer)))
+
+    return any(is_optimizer(x) for x in jax.tree.leaves(tree, is_leaf=is_optimizer))
 
 
 def _example_factory():
@@ -410,8 +444,9 @@ def add_arguments(p) -> None:
     8
     """
     p.add_argument("--model", metavar="{mlp,cnn} | MODULE:FACTORY",
-                   help="a built-in model, or your own: a factory returning a train state or "
-                        "parameter pytree (sizes read from it)")
+                   help="a built-in model, or your own: a factory returning a train state "
+                        "(a TrainState, (model, optimizer), (params, opt_state)) or a parameter "
+                        "pytree (sizes read from it)")
     p.add_argument("--param-bytes", help="gradient bytes all-reduced per step (e.g. 102e6)")
     p.add_argument("--leaves", type=int, default=None, help="gradient leaves (arrays)")
     p.add_argument("--step-time", help="one device's step time at --batch (e.g. 12ms, 0.3s)")

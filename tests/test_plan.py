@@ -219,3 +219,46 @@ def test_jaxdist_plan_reads_the_users_model_and_recommends_a_stage(tmp_path):
         proc = run_python(["-m", "jaxdist.cli", "plan", "--model", spec, "--step-time", "1ms"],
                           timeout=120, env=env)
         assert proc.returncode != 0 and msg in proc.stderr, (spec, proc.stderr[-1000:])
+
+
+STATES = """
+import equinox as eqx, jax, jax.numpy as jnp, optax
+from flax import nnx
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs):
+        self.hidden = nnx.Linear(64, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+def nnx_state():
+    model = Net(rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+def eqx_state():
+    model = eqx.nn.MLP(64, 10, 32, 1, key=jax.random.key(0))
+    return model, optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+
+def optax_state():
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32), "w2": jnp.zeros((32, 10)),
+              "b2": jnp.zeros(10)}
+    return params, optax.adam(1e-3).init(params)
+
+def dict_state():
+    params, opt_state = optax_state()
+    return {"params": params, "opt": opt_state, "name": "probe"}
+"""
+
+
+@pytest.mark.parametrize("factory", ["nnx_state", "eqx_state", "optax_state", "dict_state"])
+def test_plan_counts_the_optimizer_beside_the_model_as_optimizer_state(factory, tmp_path,
+                                                                        monkeypatch):
+    # The states docs/guides/your_own_jax.md teaches hold the optimizer beside the model: its
+    # slots are optimizer state, not parameters (they were counted as 7,231 parameters).
+    from jaxdist.plan_measure import factory_size
+
+    (tmp_path / "my_states.py").write_text(STATES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    param_bytes, leaves, opt_bytes, params = factory_size(f"my_states:{factory}")
+    assert (params, leaves, param_bytes) == (2410, 4, 2410 * 4)
+    # Adam's mu and nu in float32, its int32 count, and NNX's own step counter
+    assert opt_bytes == 2 * 2410 * 4 + 4 + (4 if factory == "nnx_state" else 0)
