@@ -106,15 +106,21 @@ def test_weighted_loss_in_the_per_replica_view_sums_to_tfs(n):
 
 # --- a Batch unpacked as its data --------------------------------------------------------------------
 
-def test_unpacking_a_batch_as_xy_says_what_a_batch_is():
+def _matmul_step(w, batch):
+    xb, yb = batch       # the mistake: batch is Batch(data=(x, y), mask)
+    return w, jnp.mean((xb @ w - yb) ** 2)      # TypeError: 'tuple' @ array
+
+
+def _reshape_step(w, batch):
+    xb, yb = batch       # as a model that flattens its input: 'tuple' has no attribute 'reshape'
+    return w, jnp.mean((xb.reshape(xb.shape[0], -1) @ w - yb) ** 2)
+
+
+@pytest.mark.parametrize("step", [_matmul_step, _reshape_step])
+def test_unpacking_a_batch_as_xy_says_what_a_batch_is(step):
     s = _strategy(2)
-
-    def step(w, batch):
-        xb, yb = batch       # the mistake: batch is Batch(data=(x, y), mask)
-        return w, jnp.mean((xb @ w - yb) ** 2)
-
     batch = next(iter(s.distribute((np.ones((4, 3), np.float32), np.ones(4, np.float32)), 4)))
-    with pytest.raises(TypeError) as info:
+    with pytest.raises((TypeError, AttributeError)) as info:
         s.step(step)(jnp.ones(3), batch)
     assert "(xb, yb), mask = batch" in "\n".join(getattr(info.value, "__notes__", []))
 

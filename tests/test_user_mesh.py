@@ -137,6 +137,57 @@ def test_each_mesh_strategy_takes_the_users_mesh(cls):
     _close(state["w"], _reference()[0]["w"])
 
 
+@pytest.mark.parametrize("cls", [jaxdist.MirroredStrategy, jaxdist.MultiWorkerMirroredStrategy,
+                                 jaxdist.CentralStorageStrategy])
+def test_each_mesh_strategy_on_a_users_mesh_with_a_model_axis(cls):
+    # TPUStrategy takes the same keywords but needs TPUs; the others run here.
+    mesh = _explicit_mesh(8, ("data", "model"), (4, 2))
+    s = cls(mesh=mesh, data_axes=("data",))
+    assert s.num_replicas_in_sync == 4
+    w = {"w": jax.device_put(W, NamedSharding(mesh, jax.P(None, "model")))}
+    step = s.step(_step)
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            for batch in s.distribute((X, Y), 16):
+                w, value = step(w, batch)
+        out = s.run(lambda b: jnp.sum(b.data[0], axis=0), args=(batch,))
+        _close(s.reduce("sum", out), X.sum(axis=0))
+    _close(w["w"], _reference(steps=2)[0]["w"])
+    if cls is not jaxdist.CentralStorageStrategy:  # that one keeps its copy in host memory
+        assert w["w"].sharding.spec == jax.P(None, "model")
+
+
+def test_fit_evaluate_and_predict_inside_set_mesh():
+    s = jaxdist.MirroredStrategy(jax.devices()[:8])
+
+    def loss_fn(w, batch):
+        (x, y), mask = batch
+        return jaxdist.compute_average_loss(jnp.mean((x @ w - y) ** 2, axis=1), mask)
+
+    def train_step(w, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(w, batch)
+        return w - 0.1 * grads, {"loss": loss}
+
+    def eval_step(w, batch):
+        return {"loss": loss_fn(w, batch)}
+
+    def everything():
+        data = s.distribute((X[:13], Y[:13]), 8)  # a padded last batch too
+        hist = jaxdist.fit(s.step(train_step), jnp.asarray(W), data, epochs=2,
+                           eval_step=s.step(eval_step), eval_data=data, verbose=0)
+        evaluated = jaxdist.evaluate(s.step(eval_step), hist.state, data)
+        predicted = jaxdist.predict(lambda w, b: b.data[0] @ w, hist.state, data)
+        return hist.history, evaluated, np.asarray(predicted), np.asarray(hist.state)
+
+    outside = everything()
+    with jax.set_mesh(_explicit_mesh()):
+        inside = everything()
+    # The same programs on the same devices: the same numbers, bit for bit.
+    assert inside[:2] == outside[:2]
+    np.testing.assert_array_equal(inside[2], outside[2])
+    np.testing.assert_array_equal(inside[3], outside[3])
+
+
 def test_fit_with_optax_on_the_users_mesh():
     mesh = _explicit_mesh(8, ("batch",))
     s = jaxdist.MirroredStrategy(mesh=mesh, data_axes="batch")
