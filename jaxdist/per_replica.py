@@ -221,22 +221,25 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     else:
         cache.in_flight.add(out, ())
     masks = [v.mask for v in values if type(v) is Batch and v.mask is not None]
-    if len(masks) == 1:
-        _mark_rows(out[1] if keeps_state else out, masks[0], layout.num_replicas)
+    if masks:
+        _mark_rows(out[1] if keeps_state else out, masks, layout.num_replicas)
     return out
 
 
-def _mark_rows(out: PyTree, mask: Any, n: int) -> None:
-    """Tags outputs with one row per example of the batch with its mask (not the new state).
+def _mark_rows(out: PyTree, masks: list, n: int) -> None:
+    """Tags outputs with one row per example of a batch with its mask (not the new state).
 
     A partial last batch is padded; tf's own ``reduce(..., axis=0)`` and ``gather`` see only the
     real rows (its replicas get fewer), so ours must skip the padding rows to give tf's numbers.
+    An output with as many rows as several of the batches gets all their masks: which batch it
+    came from is not known, and ``_row_mask`` decides when it is read.
     """
-    rows = mask.shape[0] // n
     for leaf in jax.tree.leaves(out, is_leaf=is_per_replica):
         if (isinstance(leaf, PerReplica) and leaf._blocks == n
-                and isinstance(leaf._value, jax.Array) and leaf._value.shape[0] == rows * n):
-            leaf._mask = mask
+                and isinstance(leaf._value, jax.Array)):
+            fits = [m for m in masks if leaf._value.shape[0] == m.shape[0] // n * n]
+            if fits:
+                leaf._mask = fits[0] if all(m is fits[0] for m in fits) else tuple(fits)
 
 
 def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None):
@@ -385,7 +388,8 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
         for k, i in enumerate(per):
             x = leaves[i]
             if x._mask is not None and axis % x._value.ndim == 0:
-                reduced[k] = _masked_reduce(op.value, layout.replicated, x._value, x._mask)
+                mask = _row_mask(layout, x, "reduce")
+                reduced[k] = _masked_reduce(op.value, layout.replicated, x._value, mask)
     out = [_plain_reduce(layout, op, x, axis) if not isinstance(x, PerReplica) else None
            for x in leaves]
     for i, r in zip(per, reduced):
@@ -417,12 +421,35 @@ def _masked_reduce(op: str, out_sharding: NamedSharding, rows: jax.Array, mask: 
     return jax.lax.with_sharding_constraint(total, out_sharding)
 
 
+def _host_mask(layout: Layout, mask: jax.Array) -> np.ndarray:
+    if mask.is_fully_addressable:
+        return np.asarray(mask)
+    # sharded over several processes: replicate it first (every process reads it all)
+    return np.asarray(place_all(mask, layout.replicated).addressable_data(0))
+
+
+def _row_mask(layout: Layout, value: PerReplica, what: str) -> jax.Array:
+    """The mask of the batch whose rows ``value`` holds (``_mark_rows``).
+
+    Given several batches of its size, the step's output could be any one's rows: fine when
+    their masks agree (no padding in any, or the same batch twice), refused when they do not.
+    """
+    if not isinstance(value._mask, tuple):
+        return value._mask
+    first, *others = [_host_mask(layout, m) for m in value._mask]
+    if all(np.array_equal(first, m) for m in others):
+        return value._mask[0]
+    raise ValueError(
+        f"strategy.{what}(..., axis=0) got a per-example value of {value._value.shape[0]} rows "
+        f"from a strategy.run given {len(value._mask)} batches of that size whose padding "
+        "differs (a partial last batch), so which of its rows are real is not known. Fix: "
+        "reduce it inside the step with its batch's mask (jaxdist.compute_average_loss(values, "
+        "batch.mask)), or give each batch a strategy.run of its own.")
+
+
 def _real_rows(layout: Layout, gathered: jax.Array, mask: jax.Array) -> jax.Array:
     """The rows of a gathered per-example value whose mask is True (a host read of the mask)."""
-    if mask.is_fully_addressable:
-        keep = np.flatnonzero(np.asarray(mask))
-    else:  # sharded over several processes: replicate it first (every process reads it all)
-        keep = np.flatnonzero(np.asarray(place_all(mask, layout.replicated).addressable_data(0)))
+    keep = np.flatnonzero(_host_mask(layout, mask))
     if keep.size == mask.shape[0]:
         return gathered
     return place_all(gathered[jnp.asarray(keep)], layout.replicated)
@@ -440,7 +467,7 @@ def gather(layout: Layout, value: PyTree, axis: int) -> PyTree:
     for k, i in enumerate(per):
         x = leaves[i]
         if x._mask is not None and axis % x._value.ndim == 0:
-            gathered[k] = _real_rows(layout, gathered[k], x._mask)
+            gathered[k] = _real_rows(layout, gathered[k], _row_mask(layout, x, "gather"))
     out = list(leaves)
     for i, g in zip(per, gathered):
         out[i] = g

@@ -57,6 +57,31 @@ def test_masked_rows_are_not_the_new_state():
     assert np.asarray(s.gather(rows, axis=0)).tolist() == [8.0, 9.0, 10.0, 11.0, 12.0]
 
 
+def test_a_run_given_several_batches_counts_real_rows_or_refuses():
+    # A step given two batches: an output with one batch's row count counts that batch's real
+    # rows; when several batches of its size differ in padding it cannot know which, and says so
+    # (it used to count the padding: 9.625 instead of tf's 10.0).
+    s = _strategy(2)
+    first = list(s.distribute((np.arange(13, dtype=np.float32),), 8))
+    second = list(s.distribute((np.arange(100, 113, dtype=np.float32),), 8))
+    small = list(s.distribute((np.arange(6, dtype=np.float32),), 4))
+    both = lambda a, b: (a.data[0] * 1.0, b.data[0] * 1.0)  # noqa: E731
+    x, y = s.run(both, args=(first[1], small[1]))          # 8 and 4 rows: each knows its own
+    assert float(s.reduce("mean", x, axis=0)) == 10.0 and float(s.reduce("mean", y, axis=0)) == 4.5
+    x, y = s.run(both, args=(first[1], second[1]))         # the same padding: either mask will do
+    assert float(s.reduce("mean", x, axis=0)) == 10.0
+    assert np.asarray(s.gather(y, axis=0)).tolist() == [108.0, 109.0, 110.0, 111.0, 112.0]
+    x, y = s.run(both, args=(first[0], second[0]))         # no padding at all
+    assert float(s.reduce("mean", x, axis=0)) == 3.5
+    x, y = s.run(both, args=(first[1], second[0]))         # 5 real rows and 8: which are x's?
+    with pytest.raises(ValueError, match="which of its rows are real is not known"):
+        s.reduce("mean", x, axis=0)
+    with pytest.raises(ValueError, match="a strategy.run of its own"):
+        s.gather(y, axis=0)
+    # Across replicas only (axis=None): every row of each replica's block, as before.
+    assert np.asarray(s.reduce("sum", x)).tolist() == [8.0 + 12, 9.0 + 8, 10.0 + 9, 11.0 + 10]
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_reduce_of_a_plain_value_along_an_axis(n):
     # tf: reduce(SUM, tf.constant([1, 2, 3]), axis=0) = 12 / 24 / 48 on 2 / 4 / 8 replicas;

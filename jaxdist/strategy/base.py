@@ -288,6 +288,11 @@ class MeshStrategy(Strategy):
 
         Returns:
           The nest with each per-replica value reduced to one replicated array.
+
+        Raises:
+          ValueError: ``"sum"`` of a plain value with ``axis=None``; or, along ``axis=0``, a
+            per-example value from a ``run`` given several batches of its size whose padding
+            differs (which rows are real is not known).
         """
         with self.layout.mesh_context():
             return per_replica.reduce(self.layout, op, value, axis)
@@ -304,6 +309,10 @@ class MeshStrategy(Strategy):
           replicated on every device (every process sees all of it). Along ``axis=0``, a
           per-example value of a padded batch keeps only the real rows (as tf, whose replicas
           get fewer rows); reading which rows are real waits for the batch's mask.
+
+        Raises:
+          ValueError: along ``axis=0``, a per-example value from a ``run`` given several batches
+            of its size whose padding differs (which rows are real is not known).
         """
         with self.layout.mesh_context():
             return per_replica.gather(self.layout, value, axis)
