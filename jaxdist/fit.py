@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -222,6 +224,22 @@ _EMPTY = ("fit data is empty: {n} examples give no batch of global size {gb}, so
           "everything) and the batch size")
 
 
+def _warn_nonfinite(info: TrainInfo) -> bool:
+    """Warns (process 0) that training goes on on NaN/Inf metrics; True once it has warned."""
+    bad = sorted(k for k, v in info.logs.items()
+                 if isinstance(v, (float, int)) and not math.isfinite(v))
+    if not bad or info.stop_training:  # nothing wrong, or a callback (TerminateOnNaN) stops it
+        return False
+    if jax.process_index() == 0:
+        warnings.warn(
+            f"fit: {', '.join(bad)} became NaN or Inf by step {info.step} (epoch {info.epoch}) "
+            "and training goes on. Common causes: labels outside the model's classes [0, "
+            "num_classes) (integer-label cross-entropy gives NaN for them), NaN or Inf in the "
+            "inputs, too high a learning rate. Add jaxdist.callbacks.TerminateOnNaN() to stop "
+            "at the first NaN", RuntimeWarning, stacklevel=3)
+    return True
+
+
 def _num_examples(dataset: Any) -> Any:
     n = getattr(dataset, "num_examples", None)
     return n if isinstance(n, int) else "its"
@@ -252,6 +270,10 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     Raises:
       ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
         batch, or a step returning non-scalar metrics.
+
+    Warns:
+      RuntimeWarning: once, when a metric read back becomes NaN or Inf and no callback stops
+        training (``jaxdist.callbacks.TerminateOnNaN`` does).
     """
     check_max_in_flight(max_in_flight)
     strategy = _strategy_of(train_step, data)
@@ -281,6 +303,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
                      global_batch_size=dataset.global_batch_size, strategy=strategy)
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
+    warned = False  # about NaN/Inf metrics, once per fit
     try:
         resumed_by = None
         for cb in cbs:
@@ -319,6 +342,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
                     info.logs = meter.result()
                     for cb in cbs:
                         cb.on_train_batch_end(info)
+                    warned = warned or _warn_nonfinite(info)
                     if info.stop_training or (steps_per_epoch is not None
                                               and info.epoch_steps >= steps_per_epoch):
                         break
@@ -330,6 +354,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
                 info.logs.update({f"val_{k}": v for k, v in val.items()})
             for cb in cbs:
                 cb.on_epoch_end(info)
+            warned = warned or _warn_nonfinite(info)
             # After the callbacks (as Keras's History): values they add, a learning rate say, stay.
             for k, v in info.logs.items():
                 history[k].append(v)

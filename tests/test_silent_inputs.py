@@ -112,3 +112,18 @@ def test_fit_on_an_empty_dataset_raises_a_clear_error():
     with pytest.raises(ValueError, match="steps_per_epoch=0"):
         jaxdist.fit(lambda st, b: (st, {"loss": st.sum()}), jax.numpy.zeros(3),
                     s.distribute(_data(), 4), steps_per_epoch=0, verbose=0)
+
+
+def test_fit_warns_when_labels_outside_the_model_s_classes_train_to_nan():
+    # before: labels of 200 for a 10-class model gave loss NaN in every epoch and no warning
+    x, y = _data(64)
+    y = y.copy()
+    y[::7] = 200
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    with pytest.warns(RuntimeWarning, match=r"loss became NaN or Inf by step \d+ \(epoch 0\).*"
+                                            r"labels outside the model's classes") as record:
+        history = jaxdist.fit(s.step(models.classifier_train_step), state,
+                              s.distribute((x, y), 16), epochs=2, verbose=0)
+    assert np.isnan(history.history["loss"]).all()
+    assert sum("became NaN" in str(w.message) for w in record) == 1  # once per fit
