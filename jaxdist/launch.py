@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 pass  # the reader went away (`| head`); keep draining so children never block
 
     # Orphaned descendants (daemons that left the ranks' sessions) become ours to kill and reap.
-    reaper.become_subreaper()
+    subreaper = reaper.become_subreaper()
     launcher = _Launcher(target, options, emit, None, None)
+    launcher.subreaper = subreaper
     previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

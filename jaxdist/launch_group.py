@@ -178,6 +178,9 @@ class _Launcher:
         self.restarts = 0
         self._token = secrets.token_hex(8)
         self._env[reaper.ENV_LAUNCH_ID] = self._token
+        # True where this process is a subreaper that starts nothing but the job (jaxdist
+        # launch): once a group's processes are gone, every child left is an adopted orphan.
+        self.subreaper = False
         self._state_dir: str | None = None
 
     def say(self, message: str) -> None:
@@ -291,6 +294,8 @@ class _Launcher:
             proc.wait()
         # Daemons that left the ranks' sessions (setsid) still hold the output pipes.
         reaper.kill_tagged(self._token)
+        if self.subreaper:  # ... and those that also cleared their environment
+            reaper.kill_children()
         end = time.monotonic() + _READER_JOIN_S
         for reader in readers:
             reader.join(timeout=max(0.0, end - time.monotonic()))

@@ -7,11 +7,12 @@ killing the rank's process group misses it; it is reparented to PID 1 (or to the
 * every process of a job carries ``JAXDIST_LAUNCH_ID=<token>`` in its environment, which its
   descendants inherit; :func:`kill_tagged` finds them all in ``/proc`` and kills them;
 * the command-line launcher marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux), so
-  orphaned descendants become its children and are reaped rather than left to PID 1.
+  orphaned descendants become its children; :func:`kill_children` kills and reaps them when a
+  group ends (those that cleared their environment too), rather than leaving them to PID 1.
 
-A descendant that clears its environment *and* escapes the subreaper (double-fork under another
-parent) is out of reach short of cgroups; that is documented, not handled. Linux only (``/proc``);
-elsewhere these are no-ops.
+A descendant that clears its environment *and* is still parented under a live process of another
+tree, or one left when the launcher itself is SIGKILLed, is out of reach short of cgroups; that is
+documented, not handled. Linux only (``/proc``); elsewhere these are no-ops.
 """
 
 from __future__ import annotations
@@ -88,4 +89,53 @@ def kill_tagged(token: str, rounds: int = 3) -> list[int]:
             pass
     if killed:
         logger.info("killed %d leftover process(es) of the job: %s", len(killed), killed)
+    return killed
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone
+        if ppid == me:
+            found.append(int(name))
+    return found
+
+
+def kill_children(rounds: int = 3) -> list[int]:
+    """SIGKILLs and reaps every remaining child of this process.
+
+    For a subreaper whose own children have all ended: what is left are orphans it adopted
+    (daemons of the job, whatever their environment). A few rounds catch the orphans of a
+    killed orphan, which are adopted in turn.
+
+    Returns:
+      The pids killed.
+    """
+    if not os.path.isdir("/proc"):
+        return []
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = [p for p in _children() if p not in killed]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in set(pids) & set(killed):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    if killed:
+        logger.info("killed %d leftover child process(es) of the launcher: %s", len(killed),
+                    killed)
     return killed

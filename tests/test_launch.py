@@ -177,10 +177,12 @@ def test_sigkill_of_the_launcher_takes_its_ranks_with_it(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path):
+@pytest.mark.parametrize("clear_env", ["0", "1"])
+def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path, clear_env):
     # before (issue 19 item 11): the setsid daemons were left under PID 1, and the launcher took
-    # 30 s to exit because they held its output pipes
-    env = dict(_env(), PID_DIR=str(tmp_path))
+    # 30 s to exit because they held its output pipes; a daemon without the job's environment
+    # tag (CLEAR_ENV=1) was still left under PID 1 after the first fix
+    env = dict(_env(), PID_DIR=str(tmp_path), CLEAR_ENV=clear_env)
     launcher = subprocess.Popen([sys.executable, "-m", "jaxdist.launch", "-n", "2",
                                  "--grace-period", "1", str(SCRIPTS / "spawn_daemon.py")],
                                 env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -188,8 +190,10 @@ def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path):
     pids = []
     try:
         pids = _wait_for_pids(launcher, tmp_path, 2)
+        start = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=60)  # EOF on its stdout: nothing holds the pipe
+        assert time.monotonic() - start < 15, "the launcher waited on pipes its daemons held"
         assert launcher.returncode == 128 + signal.SIGTERM, out
         assert not any(map(_alive, pids)), f"daemons {pids} outlived the job"
     finally:
