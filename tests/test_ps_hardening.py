@@ -57,6 +57,7 @@ for f in futs:
 out["remote_nan_pulls"] = codes
 out["status_waiters"] = c.status(timeout=5)["waiters"]
 out["cpu_s"] = time.process_time() - cpu0
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out))
 """
 
@@ -70,6 +71,7 @@ def test_a_nan_timeout_is_refused_and_cannot_spin_the_server():
     assert out["nan"] == out["inf"] == out["-1.0"] == out["True"] == out["'3'"] == "refused", out
     assert out["remote_nan_pulls"] == ["INVALID_ARGUMENT"] * 16, out
     assert out["status_waiters"] == 0 and out["cpu_s"] < 10, out
+    assert out["peak_rss_mb"] < 1000, out
 
 
 @pytest.mark.parametrize("field, value", [
@@ -273,6 +275,12 @@ def test_a_plaintext_client_of_a_tls_server_is_told_it_may_require_tls(tmp_path)
         plain.close()
     finally:
         server.stop(0)
+    # nothing listening is not a TLS problem: no hint that sends the user the wrong way
+    nobody = GrpcClient(f"127.0.0.1:{port}", token="t", timeout=5)
+    with pytest.raises(Unavailable) as e:
+        nobody.status()
+    assert "TLS" not in str(e.value), str(e.value)
+    nobody.close()
 
 
 def test_strategy_and_placement_numbers_are_checked():

@@ -628,9 +628,10 @@ class Channel:
 def _error(e: grpc.RpcError, where: str, *, plaintext: bool = False) -> Exception:
     code, detail = e.code(), e.details()
     msg = f"{where}: {detail}"
+    # what a TLS server's hang-up looks like to a plaintext client; not "Connection refused"
+    # (nothing listening), which every failure to connect also reports
     if plaintext and code == grpc.StatusCode.UNAVAILABLE and any(
-            s in (detail or "") for s in ("Socket closed", "Connection reset", "handshake",
-                                          "failed to connect")):
+            s in (detail or "") for s in ("Socket closed", "Connection reset", "handshake")):
         msg += (" (this client speaks plaintext: the server may require TLS; set "
                 "JAXDIST_PS_TLS_CERT / _KEY / _CA here as on the server, or pass tls=)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -748,7 +749,8 @@ class GrpcClient:
 # what a remote Init may set; checkpoint_dir is not among them (no peer picks a path here)
 _REMOTE_CONFIG = frozenset(f.name for f in dataclasses.fields(ServerConfig)) - {"checkpoint_dir"}
 # ...and the waiting limits it may not raise past what keeps handler threads free (serve()
-# runs 32: at most 24 may wait) or make a wait unbounded in practice
+# runs 48, at most 16 of them receiving bodies: at most 24 may wait) or make a wait unbounded
+# in practice
 _MAX_WAITERS, _MAX_WAIT_S = 24, 300.0
 # ...nor grow its bookkeeping past a few tens of MB
 _MAX_WINDOW = 1 << 20
