@@ -46,7 +46,7 @@ from jaxdist.strategy import Strategy as Strategy
 from jaxdist.strategy import TPUStrategy as TPUStrategy
 from jaxdist.strategy import mirrored as mirrored
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy",

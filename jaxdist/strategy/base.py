@@ -372,7 +372,9 @@ class UserMeshStrategy(MeshStrategy):
     ``m`` (``jax.make_mesh`` gives Explicit axes; Auto works too): batches are split over
     ``data_axes``, state is replicated over them, and a state leaf the user sharded over the mesh's
     other axes keeps that sharding, so jaxdist composes with code that shards a model axis.
-    Arrays already on ``m`` are used without a copy.
+    Batches already on ``m`` are used without a copy; ``put`` copies state even when it is
+    already placed, so that a donating step never deletes the caller's arrays.
+    (``CentralStorageStrategy`` keeps its one copy in host memory split over ``data_axes`` only.)
 
     Both options are keyword-only; ``data_axes`` defaults to every axis of ``m``.
     """

@@ -94,8 +94,8 @@ class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
         sharded too (see ``jaxdist.zero`` and the sharded-state guide). Global view only
         (``step``, ``@jaxdist.mirrored``, ``fit``); the numbers do not change.
       mesh: keyword-only; a ``jax.sharding.Mesh`` of your own to run on instead of ``devices``
-        (Explicit axes, as ``jax.make_mesh`` gives, or Auto). Arrays already on it are used
-        without a copy.
+        (Explicit axes, as ``jax.make_mesh`` gives, or Auto). Batches already on it are used
+        without a copy (``put`` copies state, so donation never deletes the caller's arrays).
       data_axes: keyword-only; the axes of ``mesh`` that carry the replicas (default: all of
         them). State leaves you sharded over the mesh's other axes keep their sharding.
 
