@@ -63,17 +63,14 @@ def tagged_pids(token: str) -> list[int]:
     return found
 
 
-def kill_tagged(token: str, rounds: int = 3) -> list[int]:
-    """SIGKILLs every process tagged with ``token`` and reaps the ones that are our children.
+def _kill_in_rounds(find, rounds: int) -> list[int]:
+    """SIGKILLs what ``find()`` lists, up to ``rounds`` times, reaping those that are our children.
 
-    A few rounds catch a process forked while the previous round ran.
-
-    Returns:
-      The pids killed.
+    A reparented orphan is our child once we are a subreaper: unreaped, it would stay a zombie.
     """
     killed: list[int] = []
     for _ in range(rounds):
-        pids = [p for p in tagged_pids(token) if p not in killed]
+        pids = [p for p in find() if p not in killed]
         if not pids:
             break
         for pid in pids:
@@ -82,11 +79,23 @@ def kill_tagged(token: str, rounds: int = 3) -> list[int]:
                 killed.append(pid)
             except (ProcessLookupError, PermissionError):
                 pass
-    for pid in killed:
-        try:  # a reparented orphan is our child now (subreaper): reap it, or it stays a zombie
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+        for pid in set(pids) & set(killed):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # not ours: its own parent reaps it
+    return killed
+
+
+def kill_tagged(token: str, rounds: int = 3) -> list[int]:
+    """SIGKILLs every process tagged with ``token`` and reaps the ones that are our children.
+
+    A few rounds catch a process forked while the previous round ran.
+
+    Returns:
+      The pids killed.
+    """
+    killed = _kill_in_rounds(lambda: tagged_pids(token), rounds)
     if killed:
         logger.info("killed %d leftover process(es) of the job: %s", len(killed), killed)
     return killed
@@ -119,22 +128,7 @@ def kill_children(rounds: int = 3) -> list[int]:
     """
     if not os.path.isdir("/proc"):
         return []
-    killed: list[int] = []
-    for _ in range(rounds):
-        pids = [p for p in _children() if p not in killed]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in set(pids) & set(killed):
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+    killed = _kill_in_rounds(_children, rounds)
     if killed:
         logger.info("killed %d leftover child process(es) of the launcher: %s", len(killed),
                     killed)
