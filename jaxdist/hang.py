@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 from jaxdist.memstate import read_heartbeat
+from jaxdist.reaper import stat_fields
 
 DEFAULT_FLOOR_S = 60.0
 DEFAULT_CAP_S = 300.0
@@ -63,12 +64,10 @@ def process_state(pid: int) -> str:
     >>> process_state(os.getpid())
     'running'
     """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            code = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if not fields:
         return "unknown"
-    return _STATES.get(code, code)
+    return _STATES.get(fields[0], fields[0])
 
 
 class HangDetector:

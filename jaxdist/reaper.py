@@ -101,19 +101,27 @@ def kill_tagged(token: str, rounds: int = 3) -> list[int]:
     return killed
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent's
+    pid, ...); None when the process is gone or there is no ``/proc``.
+
+    The name is cut at its last ``)``: it may itself hold spaces and parentheses.
+
+    >>> import os, sys
+    >>> sys.platform != "linux" or stat_fields(os.getpid())[1] == str(os.getppid())
+    True
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _children() -> list[int]:
-    me, found = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone
-        if ppid == me:
-            found.append(int(name))
-    return found
+    me = str(os.getpid())
+    return [int(name) for name in os.listdir("/proc")
+            if name.isdigit() and (fields := stat_fields(name)) and fields[1:2] == [me]]
 
 
 def kill_children(rounds: int = 3) -> list[int]:
