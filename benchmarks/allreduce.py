@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jaxdist.collectives import IMPLEMENTATIONS, _count_collectives, reduce_tree  # noqa: E402
+from jaxdist.core.collectives import IMPLEMENTATIONS, _count_collectives, reduce_tree  # noqa: E402
 
 AXES = ("host", "local")
 MESH_SHAPE = (2, 4)

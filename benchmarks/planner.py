@@ -86,7 +86,7 @@ def measure_data_parallel(batch: int) -> dict:
     placed = (jax.device_put(x, dat), jax.device_put(y, dat))
     hand = jax.jit(step, in_shardings=(rep, dat), out_shardings=rep, donate_argnums=0)
     state = jax.device_put(models.create_train_state(net, x[:1]), rep)
-    from jaxdist.collectives import _count_collectives
+    from jaxdist.core.collectives import _count_collectives
 
     # the all-reduces XLA actually emits for the step (its combiner may merge the six gradients)
     all_reduces = _count_collectives(hand.lower(state, placed).compile().as_text())["all-reduce"]
@@ -110,7 +110,7 @@ def proc_worker(args) -> int:
     jaxdist.initialize()
     import jax
 
-    from jaxdist import plan_measure
+    from jaxdist.plan import measure as plan_measure
 
     link = plan_measure.measure_allreduce(name=f"psum over {jax.process_count()} processes (gloo)")
     out = measure_data_parallel(args.batch)
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_num_cpu_devices", 8)
     sys.path.insert(0, REPO)
-    from jaxdist import plan, plan_measure
+    from jaxdist.plan import cost as plan
+    from jaxdist.plan import measure as plan_measure
 
     load0 = os.getloadavg()[0]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -55,7 +55,7 @@ def main() -> None:
                        donate_argnums=0)
 
     def memory(step, state, on=None):
-        with jaxdist.replica.enter(strategy._context(per_replica=False)):
+        with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
             m = step.lower(state, batch if on is None else on).compile().memory_analysis()
         return m.temp_size_in_bytes, m.argument_size_in_bytes
 
@@ -80,7 +80,7 @@ def main() -> None:
             order = names if r % 2 == 0 else names[::-1]
             got = {}
             for n in order:
-                with jaxdist.replica.enter(strategy._context(per_replica=False)):
+                with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
                     got[n], states[n] = run(variants[n][0], states[n])
                 times[n].append(got[n])
             for n in ratios:

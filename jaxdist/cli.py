@@ -10,7 +10,7 @@ from jaxdist import _output
 
 
 def _plan_parser(sub) -> None:
-    from jaxdist import plan_measure
+    from jaxdist.plan import measure as plan_measure
 
     p = sub.add_parser("plan", help="predict step time and scaling efficiency on N hosts x M devices",
                        description="Predict data-parallel step time and scaling efficiency from a "
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # launch and ps pass everything after their own options to a script: parse them separately.
     if argv and argv[0] == "launch":  # SPMD (-n N) and parameter-server (--ps/--workers) jobs
-        from jaxdist import launch
+        from jaxdist.launch import launcher as launch
 
         return launch.main(argv[1:])
     if argv and argv[0] == "ps":
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="jaxdist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from jaxdist import train_cli
+    from jaxdist.training import cli as train_cli
 
     train_cli.add_parser(sub)
     train_cli.add_evaluate_parser(sub)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "evaluate":
         return train_cli.evaluate(args)
     if args.command == "plan":
-        from jaxdist import plan_measure
+        from jaxdist.plan import measure as plan_measure
 
         print(plan_measure.run_cli(args))
         return 0

@@ -12,7 +12,7 @@ import pytest
 
 import jaxdist
 from jaxdist import models
-from jaxdist.accumulate import accumulate_gradients
+from jaxdist.training.accumulate import accumulate_gradients
 
 
 def _state(x):

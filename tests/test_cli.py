@@ -175,7 +175,7 @@ def _train_args(**kw):
 def test_train_data_errors_are_one_line_messages(tmp_path, monkeypatch, factory, text):
     # before: labels 0/200 trained a 201-class model and exited 0; a raising factory, an empty
     # or unpaired split ended in tracebacks ("zero-size array to reduction operation maximum")
-    from jaxdist import train_cli
+    from jaxdist.training import cli as train_cli
 
     (tmp_path / "bad_data.py").write_text(BAD_DATA)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 import jaxdist
-from jaxdist import cluster, launch, runtime
+from jaxdist.launch import cluster
+from jaxdist.launch import launcher as launch
+from jaxdist.launch import runtime
 from jaxdist.cluster import ClusterSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -199,7 +201,7 @@ def test_runtime_names_stay_reachable_where_the_docs_name_them():
     if os.path.exists(tool):
         out = subprocess.run([sys.executable, tool, os.path.dirname(jaxdist.__file__)],
                              capture_output=True, text=True).stdout
-        assert "jaxdist.cluster <-> jaxdist.runtime" not in out, out
+        assert "jaxdist.cluster <-> jaxdist.launch.runtime" not in out, out
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.collectives: every implementation agrees with NumPy and with XLA's psum."""
+"""Tests for jaxdist.core.collectives: every implementation agrees with NumPy and with XLA's psum."""
 
 import enum
 import math
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxdist.collectives import IMPLEMENTATIONS, _count_collectives, reduce_tree
+from jaxdist.core.collectives import IMPLEMENTATIONS, _count_collectives, reduce_tree
 
 AUTO = jax.sharding.AxisType.Auto
 PACK_BYTES = 64  # packs the leaves under 64 bytes; the 1000-element leaves travel alone

@@ -44,7 +44,7 @@ def test_a_masked_step_on_distribute_batches_has_the_collectives_of_an_unmasked_
     # collective, so the step's only all-reduce is the gradients' (with the loss in it).
     import optax
 
-    from jaxdist.collectives import _count_collectives
+    from jaxdist.core.collectives import _count_collectives
 
     s = jaxdist.MirroredStrategy(jax.devices()[:8])
     x = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)

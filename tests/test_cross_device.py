@@ -39,8 +39,8 @@ def test_cross_device_ops_train_like_xla(digits, options, rtol):
 
 def test_the_strategy_choice_reaches_the_compiled_program():
     s = jaxdist.MirroredStrategy(jax.devices()[:4], cross_device_ops="ring")
-    from jaxdist.collectives import _count_collectives
-    from jaxdist.per_replica import lower
+    from jaxdist.core.collectives import _count_collectives
+    from jaxdist.core.per_replica import lower
 
     def fn(v):
         return jaxdist.all_reduce(v, "sum")

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.hang import HangDetector
+from jaxdist.launch.hang import HangDetector
 from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
-from jaxdist.rendezvous import RendezvousClient, RendezvousError, serve
+from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
 
 
 def test_memory_tier_keeps_the_two_newest_steps_and_resumes_from_the_newest(tmp_path):
@@ -99,7 +99,7 @@ def test_rendezvous_store_namespaces_jobs_and_reports_ages():
 def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     import tempfile
 
-    from jaxdist import launch_group
+    from jaxdist.launch import group as launch_group
 
     monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else
                         os.path.exists(p) and not os.path.isfile(p))
@@ -124,7 +124,7 @@ def subprocess_pid_that_exited() -> int:
 def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch):
     import grpc
 
-    from jaxdist import rendezvous
+    from jaxdist.launch import rendezvous
 
     server, port = serve("127.0.0.1:0", token="s3cret")
     try:

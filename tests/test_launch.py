@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jaxdist import launch
+from jaxdist.launch import launcher as launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "_mp_scripts"

@@ -9,7 +9,7 @@ import os
 import jax
 import pytest
 
-from jaxdist import plan_measure
+from jaxdist.plan import measure as plan_measure
 from jaxdist.plan import Link, allreduce_time, predict, recommend
 from tests.conftest import REPO, run_python
 
@@ -254,7 +254,7 @@ def test_plan_counts_the_optimizer_beside_the_model_as_optimizer_state(factory, 
                                                                         monkeypatch):
     # The states docs/guides/your_own_jax.md teaches hold the optimizer beside the model: its
     # slots are optimizer state, not parameters (they were counted as 7,231 parameters).
-    from jaxdist.plan_measure import factory_size
+    from jaxdist.plan.measure import factory_size
 
     (tmp_path / "my_states.py").write_text(STATES)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -38,7 +38,7 @@ def test_in_flight_bound_is_validated():
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3, 8, 32])
 def test_in_flight_never_leaves_more_than_the_bound_queued_and_waits_once_per_half_window(
         max_in_flight):
-    from jaxdist.step import InFlight
+    from jaxdist.core.step import InFlight
 
     class Step:  # stands for one dispatched step's output; "done" once waited for
         def __init__(self, k):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist import per_replica
+from jaxdist.core import per_replica
 
 
 def _mirrored(n):

@@ -227,7 +227,7 @@ def test_mesh_option_errors():
     assert repr(jaxdist.MirroredStrategy(mesh=mesh)).endswith(f"mesh={mesh!r}, data_axes=('data',))")
 
 
-@pytest.mark.parametrize("module", ["jax._src.api", "jaxdist.layout"])
+@pytest.mark.parametrize("module", ["jax._src.api", "jaxdist.core.layout"])
 def test_jax_deprecations_are_errors_in_this_suite(module):
     # pyproject's filterwarnings: a deprecation JAX attributes to itself or to jaxdist's own call
     # fails the test, so jaxdist keeps to current JAX idioms.

@@ -10,7 +10,7 @@ import jax
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
 from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
                                            SaveCandidate, SavePolicy, resolve_mode)
-from jaxdist.memstate import StateTier
+from jaxdist.launch.memstate import StateTier
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ModelCheckpoint(Callback):
                  every_n_steps: int | None = None, save_at_epoch_end: bool = True,
                  policy: SavePolicy | None = None, max_to_keep: int | None = 3,
                  keep: str = "latest", async_save: bool = True):
-        from jaxdist.checkpoint import CheckpointManager
+        from jaxdist.checkpoint.manager import CheckpointManager
 
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
@@ -185,7 +185,7 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, info: TrainInfo) -> None:
         self.manager.wait_until_finished()
         if self._last_saved is not None and jax.process_index() == 0:
-            from jaxdist.evaluator import mark_final
+            from jaxdist.checkpoint.evaluator import mark_final
 
             # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
             mark_final(self.manager.directory, self._last_saved)

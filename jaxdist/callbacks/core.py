@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxdist._types import PyTree
+from jaxdist.core._types import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 from optax import tree_utils as otu
 
-from jaxdist._types import PyTree
 from jaxdist.callbacks.core import Callback, TrainInfo
+from jaxdist.core._types import PyTree
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxdist._output import RawDescriptionDefaultsHelpFormatter
-from jaxdist.cluster import ClusterSpec
+from jaxdist.launch.cluster import ClusterSpec
 
 __all__ = ["main"]
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``jaxdist ps`` (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # one launcher for every kind of job
-        from jaxdist import launch
+        from jaxdist.launch import launcher as launch
         return launch.main(argv[1:])
     p = argparse.ArgumentParser(
         prog="jaxdist ps", description="Run one task of a parameter-server job.",

@@ -24,12 +24,12 @@ import jax
 import numpy as np
 import optax
 
+from jaxdist.launch.cluster import ClusterSpec
 from jaxdist.ps import placement as placement_lib
+from jaxdist.ps._retry import retry
 from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig, check_number
-from jaxdist._retry import retry
-from jaxdist.cluster import ClusterSpec
 from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERVICE, PSService,
                                   TLSConfig, Unavailable, resolve_token, serve_until_stopped)
 from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,

@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from jaxdist._retry import retry
-from jaxdist.cluster import ENV_PS_TOKEN
+from jaxdist.launch.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
+from jaxdist.ps._retry import retry
 from jaxdist.ps.server import (ParameterServer, PushRejected, PushResult, ServerConfig,
                                UpdateRecord, check_number)
 from jaxdist.ps.optim import OptimizerSpec

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._retry import retry
 from jaxdist.ps import placement as placement_lib
 from jaxdist.ps import wire
+from jaxdist.ps._retry import retry
 from jaxdist.ps.server import PushRejected, check_number
 from jaxdist.ps.transport import ServerClient, Unavailable
 

@@ -1,5 +1,6 @@
 """Distribution strategies, one module per family; ``base`` holds the protocol."""
 
+from jaxdist.core.values import PerReplica as PerReplica
 from jaxdist.strategy.base import MeshStrategy as MeshStrategy
 from jaxdist.strategy.base import Strategy as Strategy
 from jaxdist.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
@@ -9,4 +10,3 @@ from jaxdist.strategy.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategy.mirrored import mirrored as mirrored
 from jaxdist.strategy.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategy.multi_worker import TPUStrategy as TPUStrategy
-from jaxdist.values import PerReplica as PerReplica

@@ -15,16 +15,16 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxdist import mesh as mesh_lib
-from jaxdist import per_replica
-from jaxdist._types import PyTree
-from jaxdist.input import DistributedDataset
-from jaxdist.input_context import DatasetFromFunction
-from jaxdist.input_local import AutoShardPolicy
-from jaxdist.layout import Layout
-from jaxdist.replica import ReduceOp
-from jaxdist.step import DistributedStep
-from jaxdist.values import has_per_replica
+from jaxdist.core import mesh as mesh_lib
+from jaxdist.core import per_replica
+from jaxdist.core._types import PyTree
+from jaxdist.core.layout import Layout
+from jaxdist.core.replica import ReduceOp
+from jaxdist.core.step import DistributedStep
+from jaxdist.core.values import has_per_replica
+from jaxdist.input.context import DatasetFromFunction
+from jaxdist.input.dataset import DistributedDataset
+from jaxdist.input.local import AutoShardPolicy
 
 
 class Strategy(abc.ABC):
@@ -71,8 +71,8 @@ class MeshStrategy(Strategy):
 
     Subclasses are frozen dataclasses that define ``_build_mesh()``; everything else derives from
     the ``layout`` (built lazily, ``functools.cached_property``, so constructing a strategy does no
-    device work). The work itself is done by ``jaxdist.input``, ``jaxdist.step`` and
-    ``jaxdist.per_replica``, which take the layout.
+    device work). The work itself is done by ``jaxdist.input``, ``jaxdist.core.step`` and
+    ``jaxdist.core.per_replica``, which take the layout.
     """
 
     # --- what subclasses provide --------------------------------------------------------------

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdist import mesh as mesh_lib
+from jaxdist.core import mesh as mesh_lib
+from jaxdist.core.values import is_static_leaf
 from jaxdist.strategy.base import UserMeshStrategy, resolve_devices
-from jaxdist.values import is_static_leaf
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jaxdist import collectives
-from jaxdist import mesh as mesh_lib
-from jaxdist import zero
+from jaxdist.core import collectives
+from jaxdist.core import mesh as mesh_lib
+from jaxdist.core import zero
 from jaxdist.strategy.base import MeshStrategy, UserMeshStrategy, resolve_devices
 
 

@@ -8,10 +8,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxdist import mesh as mesh_lib
-from jaxdist import runtime
-from jaxdist.cluster import cluster_from_environment
-from jaxdist.collectives import CROSS_PROCESS_PACK_BYTES
+from jaxdist.core import mesh as mesh_lib
+from jaxdist.core.collectives import CROSS_PROCESS_PACK_BYTES
+from jaxdist.launch import runtime
+from jaxdist.launch.cluster import cluster_from_environment
 from jaxdist.strategy.base import UserMeshStrategy
 from jaxdist.strategy.mirrored import _CrossDeviceOptions, check_cross_device_options
 

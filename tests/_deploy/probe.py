@@ -42,6 +42,6 @@ sys.stdout.write("\n" + json.dumps({
     "global_devices": jax.device_count(), "gathered": [int(v) for v in gathered],
     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    "shutdown_at_exit": jaxdist.runtime._shutdown_registered,
+    "shutdown_at_exit": jaxdist.launch.runtime._shutdown_registered,
 }) + "\n")
 sys.stdout.flush()

@@ -2,7 +2,7 @@
 import sys
 
 import jaxdist.cluster as cluster
-import jaxdist.runtime as runtime
+import jaxdist.launch.runtime as runtime
 
 process_id, port = int(sys.argv[1]), int(sys.argv[2])
 try:

@@ -13,8 +13,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxdist import models  # noqa: E402
-from jaxdist.collectives import _count_all_reduce_operands  # noqa: E402
-from jaxdist.per_replica import lower  # noqa: E402
+from jaxdist.core.collectives import _count_all_reduce_operands  # noqa: E402
+from jaxdist.core.per_replica import lower  # noqa: E402
 
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3 * 32, 784), dtype=np.float32)

@@ -3,7 +3,7 @@
 import numpy as np
 
 import jaxdist.cluster as cluster
-import jaxdist.runtime as runtime
+import jaxdist.launch.runtime as runtime
 
 spec = runtime.initialize(timeout_s=60)  # from JAXDIST_* (the launcher) or JAX's detection
 print(f"spec {spec.coordinator_address} {spec.num_processes} {spec.process_id}")

@@ -1,0 +1,18 @@
+"""Checkpoints: Orbax-backed saves that restore on any device count and any ``zero_stage``, their
+integrity checks, and the side-car evaluator that follows a checkpoint directory
+(``jaxdist.evaluator``).
+
+>>> import jaxdist
+>>> jaxdist.checkpoint.CheckpointManager.__name__
+'CheckpointManager'
+"""
+
+from jaxdist.checkpoint.manager import OWNER_FILE as OWNER_FILE
+from jaxdist.checkpoint.manager import CheckpointError as CheckpointError
+from jaxdist.checkpoint.manager import CheckpointManager as CheckpointManager
+from jaxdist.checkpoint.manager import (
+    CheckpointMismatchError as CheckpointMismatchError,
+)
+from jaxdist.checkpoint.manager import Restored as Restored
+
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "Restored"]

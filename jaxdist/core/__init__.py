@@ -1,0 +1,11 @@
+"""The ground every strategy stands on: meshes, per-replica values, collectives, layouts and the
+compiled steps of both views. Nothing here knows a strategy.
+
+* ``mesh``, ``values``, ``collectives``, ``replica``, ``loss``: meshes and axis names, the
+  ``PerReplica`` / ``Batch`` values, all-reduce implementations, what per-replica code calls
+  (``all_reduce``, ``replica_id``), ``compute_average_loss``;
+* ``layout``, ``zero``: where state and batches live (the public layout value a strategy builds),
+  and ZeRO's sharded state;
+* ``step``, ``per_replica``: the compiled step of the global view and the ``run`` of the
+  per-replica view, each taking a layout.
+"""

@@ -1,0 +1,418 @@
+"""Distributed input: global batches padded with a mask, sharded per process, prefetched to device.
+
+Invariant: every example of an epoch is seen exactly once. A final partial batch is padded up to
+the global batch size (so the step's shape, and therefore its compilation, never changes) with
+copies of real rows, and ``mask`` marks which rows are real. Copies rather than zeros, so that a
+padded row never produces NaN in a loss that a mask multiplies away (``NaN * 0`` is still NaN).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxdist.core._datacheck import warn_non_finite
+from jaxdist.core._types import PyTree
+from jaxdist.input.local import (AutoShardPolicy, ShardableSource, StepSync, new_stream_name,
+                                 pipelines, regroup, rows_of, synced)
+from jaxdist.core.layout import check_batch_leaves
+from jaxdist.core.values import Batch
+
+__all__ = ["Batch", "DistributedDataset", "DistributedIterator", "check_batch_leaves"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Host(NamedTuple):
+    """A global batch on the host: this process's rows of it, the mask (of the whole global batch
+    when this process knows it, else of its own rows), and the number of real rows in the whole
+    global batch."""
+
+    local: PyTree
+    mask: np.ndarray
+    num_real: int
+
+
+class DistributedDataset:
+    """What ``strategy.distribute`` returns: iterate it for one epoch of ``jaxdist.Batch`` values.
+
+    Each ``iter()`` starts the next epoch (epochs reshuffle deterministically from the seed);
+    ``iterator(epoch=, position=)`` starts anywhere, which is how a checkpointed run resumes exactly.
+    An iterable source is split between processes by ``auto_shard_policy``
+    (``jaxdist.AutoShardPolicy``); with ``FILE`` / ``OFF`` each process reads only its own stream.
+    """
+
+    def __init__(self, strategy: Any, data: Any, global_batch_size: int, *,
+                 shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
+                 prefetch: int | None = None,
+                 auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
+                 sync_timeout_s: float = 300.0):
+        in_memory = isinstance(data, (tuple, dict, np.ndarray, jax.Array))
+        if prefetch is None:
+            # In-memory rows cost one gather and an asynchronous transfer, less than handing them
+            # over from a thread (benchmarks/overhead.py: distribute_thread); an iterable's batches
+            # may take real time to make, so a thread makes them while the devices compute.
+            prefetch = 0 if in_memory else 2
+        self._setup(strategy, global_batch_size, prefetch, sync_timeout_s)
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        policy = AutoShardPolicy(auto_shard_policy)
+        if isinstance(data, list) and data and all(isinstance(x, (np.ndarray, jax.Array))
+                                                   for x in data):
+            shapes = [tuple(np.shape(x)) for x in data]
+            raise ValueError(
+                f"distribute got a list of {len(data)} arrays {shapes}: a list is an iterable of "
+                f"batches, so this would be read as {len(data)} batches of one array each. For a "
+                "dataset of features and labels pass a tuple (x, y) or a dict; for batches of a "
+                "single array pass iter(batches) or a generator function")
+        if in_memory:
+            if policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF):
+                raise ValueError(
+                    f"auto_shard_policy={policy} applies to iterable sources; in-memory arrays are "
+                    "split by rows on every process (AUTO / DATA). For data that already differs "
+                    "per process use strategy.distribute_datasets_from_function")
+            self._num_examples = check_batch_leaves(data, self.strategy.num_replicas_in_sync,
+                                                    what="dataset")
+            warn_non_finite(data, what="dataset")
+            self._arrays = jax.tree.map(np.asarray, data)
+            self._iterable = None
+        elif isinstance(data, Iterable) or callable(data):
+            if shuffle:
+                raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
+                                 "arrays); shuffle an iterable of batches at its source")
+            if policy is AutoShardPolicy.AUTO:
+                policy = (AutoShardPolicy.FILE if isinstance(data, ShardableSource)
+                          else AutoShardPolicy.DATA)
+            if policy is AutoShardPolicy.FILE and not isinstance(data, ShardableSource):
+                raise ValueError(
+                    f"AutoShardPolicy.FILE needs a source that exposes shards (an object with "
+                    f"shard(index, count), e.g. jaxdist.FileSource(paths, read)), got a "
+                    f"{type(data).__name__}; wrap the files in a FileSource, or use "
+                    "AutoShardPolicy.DATA (every process reads all batches and keeps its rows)")
+            self._arrays, self._num_examples, self._iterable = None, None, data
+        else:
+            raise ValueError(
+                f"cannot distribute a {type(data).__name__}; pass (x, y) / a dict of numpy arrays, "
+                "or an iterable of such batches")
+        self.auto_shard_policy = policy
+        if policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF):
+            self._stream = new_stream_name()
+
+    def _setup(self, strategy: Any, global_batch_size: int, prefetch: int,
+               sync_timeout_s: float) -> None:
+        n = strategy.num_replicas_in_sync
+        if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+        if global_batch_size % n:
+            lo = global_batch_size // n * n
+            raise ValueError(
+                f"global_batch_size={global_batch_size} does not divide over the {n} replicas of "
+                f"{type(strategy).__name__}; use a multiple of {n} such as {lo or n} or {lo + n}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (0: batches are made by the loop's own "
+                             f"thread when it asks for them), got {prefetch!r}")
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s!r}")
+        self.strategy = strategy
+        self.global_batch_size = int(global_batch_size)
+        self.shuffle, self.seed, self.drop_remainder = False, 0, False
+        self.auto_shard_policy = AutoShardPolicy.DATA
+        self._prefetch, self._sync_timeout_s = prefetch, sync_timeout_s
+        self._epoch = 0
+        self._runs = itertools.count()
+        self._full_mask = None  # the device mask of a batch without padding, made once
+
+    def __len__(self) -> int:
+        """Batches per epoch (in-memory datasets only)."""
+        if self._arrays is None:
+            raise TypeError("the number of batches of an iterable dataset is not known")
+        full, rest = divmod(self._num_examples, self.global_batch_size)
+        return full + (1 if rest and not self.drop_remainder else 0)
+
+    @property
+    def num_examples(self) -> int | None:
+        return self._num_examples
+
+    def __iter__(self) -> "DistributedIterator":
+        it = self.iterator(epoch=self._epoch)
+        self._epoch += 1
+        return it
+
+    def iterator(self, *, epoch: int = 0, position: int = 0) -> "DistributedIterator":
+        """An iterator over ``epoch`` starting after ``position`` batches."""
+        return DistributedIterator(self, epoch, position)
+
+    # --- producing host batches -------------------------------------------------------------------
+    def _rows(self) -> slice:
+        """The rows of a global batch whose devices belong to this process."""
+        if jax.process_count() == 1:
+            return slice(0, self.global_batch_size)
+        index_map = self.strategy.layout.batch.addressable_devices_indices_map(
+            (self.global_batch_size,))
+        starts = sorted({idx[0].start or 0 for idx in index_map.values()})
+        stops = sorted({idx[0].stop or self.global_batch_size for idx in index_map.values()})
+        lo, hi = starts[0], stops[-1]
+        if hi - lo != len(set(starts)) * (self.global_batch_size // self.strategy.num_replicas_in_sync):
+            raise RuntimeError("this process's devices do not hold a contiguous block of the batch")
+        return slice(lo, hi)
+
+    def _host_batches(self, epoch: int, position: int, run: int,
+                      stop: threading.Event) -> Iterator[_Host]:
+        gb, rows = self.global_batch_size, self._rows()
+        if self._arrays is not None:
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
+                     if self.shuffle else np.arange(self._num_examples))
+            for k in range(position, len(self)):
+                idx = order[k * gb:(k + 1) * gb]
+                yield self._pad(idx, rows, lambda i: _take_rows(self._arrays, i))
+            return
+        source = self._iterable() if callable(self._iterable) else self._iterable
+        if self.auto_shard_policy is not AutoShardPolicy.DATA:
+            yield from self._per_process(source, rows, position, self._sync(run, stop))
+            return
+        emitted = 0  # position counts batches handed out, which skips dropped partial ones
+        for k, item in enumerate(source):
+            b = rows_of(item, f"batch {k} of the dataset")
+            if b > gb:
+                raise ValueError(
+                    f"batch {k} of the dataset has {b} examples but global_batch_size is {gb}; an "
+                    "iterable must yield global batches of at most that size (to distribute an "
+                    "in-memory dataset pass a tuple (x, y), not a list)")
+            if b < gb and self.drop_remainder:
+                continue
+            emitted += 1
+            if emitted <= position:
+                continue
+            yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
+
+    def _per_process(self, source: Any, rows: slice, position: int,
+                     sync: StepSync) -> Iterator[_Host]:
+        """FILE / OFF: this process's own stream, regrouped into its rows of each global batch."""
+        peers, me = pipelines(self.strategy.layout)
+        if self.auto_shard_policy is AutoShardPolicy.FILE:
+            source = source.shard(me, len(peers))
+        local_rows = rows.stop - rows.start
+        for item, total in synced(regroup(source, local_rows), sync, local_rows=local_rows,
+                                  position=position,
+                                  min_real=self.global_batch_size if self.drop_remainder else 0):
+            yield _Host(item.local, item.mask, total)
+
+    def _sync(self, run: int, stop: threading.Event) -> StepSync:
+        """The exchange of iteration ``run`` (processes number their iterations alike)."""
+        return StepSync(f"{self._stream}/{run}", pipelines(self.strategy.layout)[0],
+                        self._sync_timeout_s, cancel=stop,
+                        previous=f"{self._stream}/{run - 1}" if run else None)
+
+    def _pad(self, idx: np.ndarray, rows: slice, take: Callable) -> _Host:
+        gb, real = self.global_batch_size, len(idx)
+        full_idx = np.resize(idx, gb) if real < gb else idx  # pads with copies of real rows
+        return _Host(take(full_idx[rows]), np.arange(gb) < real, real)
+
+    def _to_device(self, host: _Host):
+        layout, gb = self.strategy.layout, self.global_batch_size
+        # A mask of the whole global batch is replicated (Layout.mask_sharding says why); a
+        # process that only knows its own rows' mask (FILE / OFF pipelines) shards it.
+        mask_sharding = layout.replicated if len(host.mask) == gb else layout.batch
+        if host.num_real == gb:  # every row is real: the mask is the same every full batch
+            if self._full_mask is None:
+                self._full_mask = self._put(mask_sharding, np.ones(len(host.mask), bool))
+            return Batch(self._put(layout.batch, host.local), self._full_mask), gb
+        data, mask = self._put((layout.batch, mask_sharding), (host.local, host.mask))
+        return Batch(data, mask), host.num_real
+
+    def _put(self, sharding, tree):
+        """Host rows of a global batch -> global arrays: one batched transfer of the whole tree in a
+        single process (cheaper than an array at a time), the process-local assembly otherwise.
+        ``sharding`` is one sharding or a pytree prefix of ``tree`` of them."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        gb = self.global_batch_size
+
+        def assemble(local, where):
+            if where.is_fully_replicated:  # every process holds the whole value
+                return jax.make_array_from_process_local_data(where, local, local.shape)
+            return jax.make_array_from_process_local_data(where, local, (gb,) + local.shape[1:])
+
+        return jax.tree.map(assemble, tree, jax.tree.broadcast(sharding, tree))
+
+
+# XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and
+# copies any other, at 2-4x the cost of the copy itself.
+_ALIGN = 64
+
+
+def _take_rows(tree: PyTree, idx: np.ndarray) -> PyTree:
+    """``a[idx]`` of every leaf, each into a fresh aligned buffer, so that placing it on CPU devices
+    costs no second copy. Fresh per batch: nothing writes to a buffer once it has been handed over."""
+    def take(a):
+        a = np.asarray(a)
+        if a.dtype.hasobject:
+            return a[idx]
+        shape = (len(idx),) + a.shape[1:]
+        nbytes = int(np.prod(shape)) * a.itemsize
+        raw = np.empty(nbytes + _ALIGN, np.uint8)
+        start = -raw.ctypes.data % _ALIGN
+        out = raw[start:start + nbytes].view(a.dtype).reshape(shape)
+        return np.take(a, idx, axis=0, out=out, mode="clip")  # "clip": unbuffered; idx is in range
+
+    return jax.tree.map(take, tree)
+
+
+_DONE = object()
+
+
+class _Producer:
+    """The prefetch thread's side. It holds no reference to the iterator, so an iterator that is
+    dropped is garbage-collected, and its ``__del__`` stops the thread."""
+
+    def __init__(self, batches: Iterator, to_device: Callable, capacity: int,
+                 stop: threading.Event):
+        self.queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self.stop = stop
+        self._batches, self._to_device = batches, to_device
+        self.thread = threading.Thread(target=self._run, name="jaxdist-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self):
+        try:
+            for host in self._batches:
+                if not self._put(self._to_device(host)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._put(e)
+        finally:
+            self._batches = self._to_device = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        while True:  # drop prepared batches so their device buffers are freed
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
+class _Inline:
+    """``prefetch=0``: each batch is made on the caller's thread when ``next()`` asks for it."""
+
+    def __init__(self, batches: Iterator, to_device: Callable, stop: threading.Event):
+        self._batches, self._to_device, self.stop = batches, to_device, stop
+
+    def make(self):  # never called once shut down: next() checks ``stop`` first
+        try:
+            return self._to_device(next(self._batches))
+        except StopIteration:
+            self.shutdown()
+            return _DONE
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        batches, self._batches, self._to_device = self._batches, None, None
+        if batches is not None and hasattr(batches, "close"):
+            batches.close()  # a generator's finally blocks (exchanges, files) run now
+
+
+class DistributedIterator:
+    """An epoch of ``Batch`` values, prepared ``prefetch`` batches ahead on a background thread
+    (with ``prefetch=0``, made on the caller's thread when asked for).
+
+    ``state()`` is ``{"epoch": e, "position": k}`` (batches handed out so far), enough to resume
+    at exactly the next batch via ``dataset.iterator(**state)``. ``last_num_real`` is the number of
+    real (unpadded) examples in the batch most recently returned; ``stall_s`` the seconds ``next()``
+    has waited for a batch that was not ready yet (the input pipeline's stall). ``close()`` (or
+    leaving a ``with`` block, or dropping the iterator) stops the background thread.
+    """
+
+    def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
+        self.epoch, self.position = epoch, position
+        self.last_num_real = 0
+        self.stall_s = 0.0  # time next() spent waiting for (or making) a batch: the input's stall
+        # The run number is taken here, on the caller's thread, so that processes creating
+        # iterators in the same order name the same exchange.
+        stop = threading.Event()
+        batches = dataset._host_batches(epoch, position, next(dataset._runs), stop)
+        self._producer = (_Producer(batches, dataset._to_device, dataset._prefetch, stop)
+                          if dataset._prefetch else _Inline(batches, dataset._to_device, stop))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        producer = self._producer
+        if producer.stop.is_set():
+            raise StopIteration
+        if isinstance(producer, _Inline):  # made here and now: all of its time is the loop's wait
+            waited_from = time.perf_counter()
+            item = producer.make()
+            self.stall_s += time.perf_counter() - waited_from
+        else:
+            item = self._next_prefetched(producer)
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch, self.last_num_real = item
+        self.position += 1
+        return batch
+
+    def _next_prefetched(self, producer: _Producer):
+        try:
+            return producer.queue.get_nowait()
+        except queue.Empty:
+            waited_from = time.perf_counter()
+            item = self._wait(producer)
+            self.stall_s += time.perf_counter() - waited_from
+            return item
+
+    @staticmethod
+    def _wait(producer: _Producer):
+        while True:
+            if producer.stop.is_set():
+                raise StopIteration
+            try:
+                return producer.queue.get(timeout=0.5)
+            except queue.Empty:
+                if not producer.thread.is_alive() and producer.queue.empty():
+                    producer.stop.set()
+                    raise StopIteration from None
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def close(self) -> None:
+        self._producer.shutdown()
+
+    def __enter__(self) -> "DistributedIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        producer = getattr(self, "_producer", None)
+        if producer is not None:
+            producer.stop.set()

@@ -1,0 +1,433 @@
+"""The process group behind `jaxdist launch`: spawning the ranks, reading their output,
+watching for failures and hangs, restarting, and killing everything the job started.
+
+`jaxdist.launch` is the entry point (`run`, the CLI); `jaxdist.launch.elastic`'s agents drive a
+`_Launcher` round by round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from jaxdist.launch import reaper
+from jaxdist.launch.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec
+from jaxdist.launch.hang import HangDetector
+from jaxdist.launch.memstate import ENV_STATE_DIR, heartbeat_path
+
+_PREFIX = "jaxdist launch: "
+EXIT_TIMEOUT = 124
+EXIT_HUNG = 125
+ENV_INIT_TIMEOUT = "JAXDIST_INIT_TIMEOUT"
+# How long, in all, to wait for the output readers once a group's processes are gone.
+_READER_JOIN_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    num_processes: int | None
+    devices_per_process: int | None = None
+    max_restarts: int = 0
+    port: int | None = None
+    timeout_s: float | None = None
+    grace_period_s: float = 20.0
+    num_ps: int = 0
+    num_workers: int = 0
+    hang_timeout_s: float | None = None
+    init_timeout_s: float | None = None
+    nnodes: tuple[int, int] | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "jaxdist"
+    rdzv_timeout_s: float = 120.0
+    rdzv_last_call_s: float = 10.0
+
+    def __post_init__(self):
+        def check(name, ok, expected):
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected {expected}.")
+        if self.num_ps or self.num_workers:
+            check("num_ps", self.num_ps >= 1, "an integer >= 1 with --workers")
+            check("num_workers", self.num_workers >= 1, "an integer >= 1 with --ps")
+            check("num_processes", self.num_processes is None,
+                  "no -n with --ps/--workers (the job is 1 chief + workers + ps)")
+            return check("port", self.port is None, "no --port with --ps/--workers")
+        check("num_processes", self.num_processes is not None and self.num_processes >= 1,
+              "an integer >= 1")
+        check("devices_per_process",
+              self.devices_per_process is None or self.devices_per_process >= 1, ">= 1")
+        check("max_restarts", self.max_restarts >= 0, ">= 0")
+        check("port", self.port is None or 0 < self.port < 65536, "a port in 1..65535")
+        check("timeout_s", self.timeout_s is None or self.timeout_s > 0, "> 0 seconds")
+        check("grace_period_s", self.grace_period_s >= 0, ">= 0 seconds")
+        check("hang_timeout_s", self.hang_timeout_s is None or self.hang_timeout_s > 0,
+              "> 0 seconds")
+        check("init_timeout_s", self.init_timeout_s is None or self.init_timeout_s > 0,
+              "> 0 seconds")
+        check("rdzv_endpoint", (self.nnodes is None) == (self.rdzv_endpoint is None),
+              "HOST:PORT together with --nnodes (and only with it)")
+        check("rdzv_id", bool(self.rdzv_id) and "/" not in self.rdzv_id,
+              "a non-empty name without '/'")
+        check("rdzv_timeout_s", self.rdzv_timeout_s > 0, "> 0 seconds")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (best effort: another process may take one).
+
+    All ``n`` sockets are held open together so that the ports differ.
+    """
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "signal"
+        return f"was killed by {name} ({-returncode})"
+    return f"exited with code {returncode}"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# Run before the rank's own interpreter: ask for SIGKILL when the parent (the launcher) dies,
+# then exec the real command (the setting survives execve of a non-setuid binary). Doing this in
+# a bootstrap rather than a preexec_fn keeps Python code out of the fork of a threaded parent.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the launcher died before prctl took effect\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _die_with_parent(command: list[str]) -> list[str]:
+    """``command`` wrapped so that the process gets SIGKILL when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+def _make_state_dir() -> str:
+    """A private directory for the job's in-memory state tier, in shared memory if there is one.
+
+    Its name carries this launcher's pid; directories left by launchers that died without
+    cleaning up (SIGKILL) are removed here.
+    """
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = base or tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(r"jaxdist-state-(\d+)-\w+", name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"jaxdist-state-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's: not ours to judge
+    return True
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole session has exited already
+
+
+class _Launcher:
+    def __init__(self, target: Sequence[str], options: _Options,
+                 emit: Callable[[str, bytes], None],
+                 env: Mapping[str, str] | None, cwd: str | None):
+        self._command = [sys.executable, *target]
+        self._options = options
+        self._emit = emit
+        self._env = dict(os.environ if env is None else env)
+        self._cwd = cwd
+        self._signal: int | None = None
+        self._wake = threading.Event()
+        self.restarts = 0
+        self._token = secrets.token_hex(8)
+        self._env[reaper.ENV_LAUNCH_ID] = self._token
+        # True where this process is a subreaper that starts nothing but the job (jaxdist
+        # launch): once a group's processes are gone, every child left is an adopted orphan.
+        self.subreaper = False
+        self._state_dir: str | None = None
+
+    def say(self, message: str) -> None:
+        self._emit("stderr", (_PREFIX + message + "\n").encode())
+
+    def request_stop(self, signum: int) -> None:
+        """Called from a signal handler: forward `signum`; a second signal kills at once."""
+        self._signal = signal.SIGKILL if self._signal is not None else signum
+        self._wake.set()
+
+    def run(self) -> int:
+        options = self._options
+        deadline = None if options.timeout_s is None else time.monotonic() + options.timeout_s
+        if self._env.pop("TF_CONFIG", None) is not None:
+            self.say("ignoring TF_CONFIG: the launcher defines the cluster")
+        if options.num_ps:
+            try:
+                return self._run_ps_job(deadline)
+            finally:
+                reaper.kill_tagged(self._token)
+        # JAXDIST_MEMORY_TIER=0 turns the in-memory tier off (what restarts cost without it).
+        if self._env.get("JAXDIST_MEMORY_TIER", "1") != "0":
+            self._state_dir = _make_state_dir()
+        elif options.nnodes is not None:
+            raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
+        try:
+            if options.nnodes is not None:
+                from jaxdist.launch.elastic import Agent
+
+                return Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
+                             rdzv_id=options.rdzv_id, nproc=options.num_processes,
+                             max_restarts=options.max_restarts,
+                             rdzv_timeout_s=options.rdzv_timeout_s,
+                             last_call_s=options.rdzv_last_call_s).run()
+            return self._run_spmd(deadline)
+        finally:
+            reaper.kill_tagged(self._token)
+            if self._state_dir is not None:
+                shutil.rmtree(self._state_dir, ignore_errors=True)
+
+    def _run_spmd(self, deadline: float | None) -> int:
+        options = self._options
+        for attempt in range(options.max_restarts + 1):
+            port = options.port or free_ports(1)[0]
+            code, failure = self._run_group(attempt, port, deadline)
+            if failure is None or self._signal is not None or failure == "timeout":
+                return code
+            if attempt == options.max_restarts:
+                self.say(f"job failed: {failure}" + (
+                    f" (after {attempt} restart(s))" if attempt else ""))
+                return code
+            self.restarts += 1
+            self.say(f"{failure}; restarting the group "
+                     f"(restart {attempt + 1} of {options.max_restarts})")
+        raise AssertionError("unreachable")
+
+    def child_env(self, extra: Mapping[str, str], attempt: int) -> dict[str, str]:
+        env = dict(self._env)
+        env.update(extra)
+        env[ENV_RESTART_COUNT] = str(attempt)
+        env.pop(ENV_STATE_DIR, None)
+        if self._state_dir is not None:
+            env[ENV_STATE_DIR] = self._state_dir
+            # Restarts (and later jobs, when the user names a directory) skip compilation.
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self._state_dir, "xla-cache"))
+            env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+            env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+        if self._options.init_timeout_s is not None:
+            env[ENV_INIT_TIMEOUT] = f"{self._options.init_timeout_s:g}"
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
+        if self._options.devices_per_process is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        return env
+
+    def spawn(self, label: str, env: Mapping[str, str],
+              readers: list[threading.Thread]) -> subprocess.Popen:
+        """Starts one process of the job; its output lines are prefixed with ``[label] ``."""
+        proc = subprocess.Popen(_die_with_parent(self._command), env=env, cwd=self._cwd,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            reader = threading.Thread(target=self._pump, args=(label, stream, pipe), daemon=True)
+            reader.start()
+            readers.append(reader)
+        return proc
+
+    def _run_group(self, attempt: int, port: int,
+                   deadline: float | None) -> tuple[int, str | None]:
+        """Runs one attempt; returns (exit code, failure description or None)."""
+        n = self._options.num_processes
+        procs: list[subprocess.Popen] = []
+        readers: list[threading.Thread] = []
+        try:
+            for rank in range(n if self._state_dir is not None else 0):
+                try:  # a heartbeat of the previous attempt must not count for this one
+                    os.remove(heartbeat_path(self._state_dir, rank))
+                except FileNotFoundError:
+                    pass
+            for rank in range(n):
+                env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
+                procs.append(self.spawn(str(rank), env, readers))
+            return self._supervise(procs, deadline)
+        finally:
+            self._end_group(procs, readers)
+
+    def _end_group(self, procs: list[subprocess.Popen], readers: list[threading.Thread]) -> None:
+        for proc in procs:  # also reaps grandchildren left behind by a finished rank
+            _kill_group(proc, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        # Daemons that left the ranks' sessions (setsid) still hold the output pipes.
+        reaper.kill_tagged(self._token)
+        if self.subreaper:  # ... and those that also cleared their environment
+            reaper.kill_children()
+        end = time.monotonic() + _READER_JOIN_S
+        for reader in readers:
+            reader.join(timeout=max(0.0, end - time.monotonic()))
+
+    def _run_ps_job(self, deadline: float | None) -> int:
+        """A parameter-server job: one chief, ``num_workers`` workers, ``num_ps`` servers.
+
+        Every task runs the same script with a TF_CONFIG naming its task (tf.distribute's
+        convention) and the job's token in ``JAXDIST_PS_TOKEN`` (made here unless the
+        environment has one). The chief's exit ends the job with its code; a worker or server
+        that fails is restarted alone, on its address, up to ``max_restarts`` times each (the
+        coordinator re-schedules a lost worker's closures; a server restores its checkpoint).
+        """
+        o = self._options
+        addresses = [f"127.0.0.1:{p}" for p in free_ports(1 + o.num_workers + o.num_ps)]
+        cluster = {"chief": addresses[:1], "worker": addresses[1:1 + o.num_workers],
+                   "ps": addresses[1 + o.num_workers:]}
+        if not self._env.get(ENV_PS_TOKEN):
+            self._env[ENV_PS_TOKEN] = secrets.token_urlsafe(32)
+        tasks = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster[job]))]
+        self.say(f"parameter-server job, cluster {json.dumps(cluster)}")
+        procs: dict[tuple[str, int], subprocess.Popen] = {}
+        restarts = dict.fromkeys(tasks, 0)
+        readers: list[threading.Thread] = []
+
+        def start(task: tuple[str, int]) -> None:
+            tf_config = json.dumps({"cluster": cluster,
+                                    "task": {"type": task[0], "index": task[1]}})
+            env = self.child_env({"TF_CONFIG": tf_config}, restarts[task])
+            procs[task] = self.spawn(f"{task[0]} {task[1]}", env, readers)
+            self.say(f"{task[0]} {task[1]} started (pid {procs[task].pid})")
+        try:
+            for task in tasks:
+                start(task)
+            while True:
+                if self._signal is not None:
+                    return self.forward_and_wait(list(procs.values()))
+                code = procs["chief", 0].poll()
+                if code is not None:
+                    if code != 0:
+                        self.say(f"chief {_describe(code)}; stopping the job")
+                    grace_end = time.monotonic() + self._options.grace_period_s
+                    while (any(p.poll() is None for p in procs.values())  # after Shutdown
+                           and time.monotonic() < grace_end):
+                        self._wake.wait(0.05)
+                    return _exit_code(code)
+                for task in tasks[1:]:
+                    code = procs[task].poll()
+                    if code in (None, 0) or restarts[task] < 0:
+                        continue
+                    if restarts[task] < o.max_restarts:
+                        restarts[task] += 1
+                        self.restarts += 1
+                        self.say(f"{task[0]} {task[1]} {_describe(code)}; restarting it "
+                                 f"(restart {restarts[task]} of {o.max_restarts})")
+                        start(task)
+                    else:
+                        self.say(f"{task[0]} {task[1]} {_describe(code)}; not restarted "
+                                 f"(--max-restarts {o.max_restarts})")
+                        restarts[task] = -1
+                if deadline is not None and time.monotonic() > deadline:
+                    self.say(f"timed out after {o.timeout_s:g} s; killing the job")
+                    return EXIT_TIMEOUT
+                self._wake.wait(0.05)
+        finally:
+            self._end_group(list(procs.values()), readers)
+
+    def _supervise(self, procs: list[subprocess.Popen],
+                   deadline: float | None) -> tuple[int, str | None]:
+        detector = HangDetector(self._state_dir or "/nonexistent",
+                                {r: p.pid for r, p in enumerate(procs)},
+                                timeout_s=self._options.hang_timeout_s)
+        host = socket.gethostname()
+        next_check = 0.0
+        while True:
+            if self._signal is not None:
+                return self.forward_and_wait(procs), "interrupted"
+            codes = [proc.poll() for proc in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                others = [p for p in procs if p.poll() is None]
+                self.say(f"rank {rank} {_describe(code)}; killing the other "
+                         f"{len(others)} running process(es)")
+                return _exit_code(code), f"rank {rank} {_describe(code)}"
+            if all(code == 0 for code in codes):
+                return 0, None
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.25
+                hung = detector.check([r for r, code in enumerate(codes) if code is None])
+                if hung:
+                    for h in hung:
+                        self.say(h.describe(host, detector.timeout_s))
+                    self.say(f"killing the group ({len(procs)} process(es))")
+                    return EXIT_HUNG, (f"rank(s) {[h.rank for h in hung]} hung (no completed "
+                                       f"step for {detector.timeout_s:g} s)")
+            if deadline is not None and time.monotonic() > deadline:
+                running = [r for r, code in enumerate(codes) if code is None]
+                self.say(f"timed out after {self._options.timeout_s:g} s with rank(s) "
+                         f"{running} still running; killing the group")
+                return EXIT_TIMEOUT, "timeout"
+            self._wake.wait(0.05)
+
+    def forward_and_wait(self, procs: list[subprocess.Popen]) -> int:
+        signum = self._signal
+        self.say(f"received {signal.Signals(signum).name}; forwarding it to all "
+                 f"{len(procs)} processes (grace period {self._options.grace_period_s:g} s)")
+        for proc in procs:
+            _kill_group(proc, signum)
+        grace_end = time.monotonic() + self._options.grace_period_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > grace_end or self._signal == signal.SIGKILL:
+                running = [r for r, p in enumerate(procs) if p.poll() is None]
+                self.say(f"rank(s) {running} still running; killing them")
+                break
+            self._wake.clear()
+            self._wake.wait(0.05)
+        return 128 + signum
+
+    def _pump(self, label: str, stream: str, pipe) -> None:
+        # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
+        prefix, pending = f"[{label}] ".encode(), b""
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                pending += chunk
+                start = 0
+                for end in _LINE_END.finditer(pending):
+                    self._emit(stream, prefix + pending[start:end.end()])
+                    start = end.end()
+                pending = pending[start:]
+        if pending:
+            self._emit(stream, prefix + pending + b"\n")
+
+
+_LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")

@@ -1,0 +1,505 @@
+"""Joining and synchronising a multi-process job: `initialize`, `barrier`.
+
+`initialize` joins the JAX distributed runtime for the `ClusterSpec` it is given or finds in
+the environment (see `jaxdist.cluster`), with a bounded wait and clear errors; `barrier`
+synchronises processes over the runtime's coordination service and, unlike
+`multihost_utils.sync_global_devices`, gives up after a timeout naming who did not arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from jaxdist.launch.cluster import BarrierTimeoutError as BarrierTimeoutError
+from jaxdist.launch.cluster import ClusterSpec, _fail, cluster_from_environment, split_address
+from jaxdist.launch.cluster import CoordinatorTimeoutError as CoordinatorTimeoutError
+
+logger = logging.getLogger(__name__)
+
+
+_lock = threading.Lock()
+_current: ClusterSpec | None = None
+
+
+def current_cluster() -> ClusterSpec | None:
+    """The spec `initialize` joined, or None before `initialize`."""
+    return _current
+
+
+def initialize(cluster: ClusterSpec | None = None, *,
+               timeout_s: float | None = None) -> ClusterSpec:
+    """Joins the multi-process job; call it first, on every process, before other JAX calls.
+
+    The spec is `cluster` if given, else `TF_CONFIG`, else `JAXDIST_*` (set by `jaxdist
+    launch`), else whatever `jax.distributed.initialize()` detects (SLURM, Open MPI,
+    Kubernetes, Cloud TPU); with none of those this is a one-process job. A one-process job,
+    a ps task and an evaluator task do not start JAX's distributed runtime.
+
+    Calling it again with the same job (coordinator, process count and id) or with no spec is
+    a no-op that returns the current spec.
+
+    Args:
+      cluster: an explicit spec.
+      timeout_s: how long to wait for the coordinator and for all processes to join (default:
+        ``$JAXDIST_INIT_TIMEOUT``, set by ``jaxdist launch --init-timeout``, else 300 s). A
+        process other than 0 that cannot reach the coordinator raises; a process still
+        waiting for peers when it expires logs the reason and exits with status 1, because
+        JAX's runtime cannot be abandoned mid-connect (it would abort the process).
+
+    Returns:
+      The spec this process joined.
+
+    Raises:
+      CoordinatorTimeoutError: the coordinator did not accept connections within timeout_s.
+      RuntimeError: a conflicting job was already initialized, the coordinator port is taken,
+        or JAX's backend started before this call.
+      ValueError: the environment's cluster description is invalid.
+
+    >>> initialize(ClusterSpec.single_process()).num_processes
+    1
+    """
+    global _current
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("JAXDIST_INIT_TIMEOUT") or 300.0)
+    spec = cluster if cluster is not None else cluster_from_environment()
+    with _lock:
+        if _current is None:
+            _current = _adopt_running_runtime()
+        if _current is not None:
+            if spec is None or _same_job(spec, _current):
+                return _current
+            raise RuntimeError(f"jaxdist.initialize: this process already joined "
+                               f"{_job(_current)}; cannot also join {_job(spec)}. Fix: call "
+                               "initialize once per process, with one cluster configuration.")
+        if spec is None:
+            spec = _join_autodetected(timeout_s)
+        elif not spec.is_jax_process:
+            logger.info("%s task %d is not a process of the training job; not joining JAX's "
+                        "distributed runtime", spec.task_type, spec.task_index)
+        elif spec.num_processes > 1:
+            _join(spec, timeout_s)
+        _current = spec
+        return spec
+
+
+def _job(spec: ClusterSpec) -> str:
+    return (f"the job at {spec.coordinator_address} as process {spec.process_id} of "
+            f"{spec.num_processes}")
+
+
+def _same_job(a: ClusterSpec, b: ClusterSpec) -> bool:
+    if a.num_processes == b.num_processes == 1 and a.process_id == b.process_id:
+        return True  # no runtime, so the coordinator address means nothing
+    return ((a.coordinator_address, a.num_processes, a.process_id)
+            == (b.coordinator_address, b.num_processes, b.process_id))
+
+
+def _distributed_state():
+    from jax._src import distributed  # the runtime's client lives only here
+    return distributed.global_state
+
+
+def _adopt_running_runtime() -> ClusterSpec | None:
+    """The spec of a runtime someone started with `jax.distributed.initialize` directly."""
+    state = _distributed_state()
+    if state.client is None:
+        return None
+    return ClusterSpec(coordinator_address=state.coordinator_address,
+                       num_processes=state.num_processes, process_id=state.process_id)
+
+
+def _check_backend_not_started() -> None:
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("jaxdist.initialize must run before anything starts JAX's backend "
+                           "(jax.devices(), creating arrays, building a strategy, ...). Fix: "
+                           "call jaxdist.initialize() first thing in main().")
+
+
+def _check_port_free(port: int, address: str) -> None:
+    """Fails early if process 0 cannot bind the coordinator's port (JAX would crash)."""
+    families = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    for family, host in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this host
+        with sock:
+            # gRPC binds with SO_REUSEADDR too, so a port in TIME_WAIT is not reported as taken.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return
+            except OSError as e:
+                error = e
+        raise RuntimeError(f"process 0 cannot start the coordinator on port {port} of "
+                           f"{address}: {error}. Fix: choose a free port (or stop the process "
+                           "holding this one), the same for all processes.")
+
+
+def _wait_for_listener(host: str, port: int, timeout_s: float,
+                       error: Callable[[str], Exception]) -> float:
+    """Waits until host:port accepts TCP connections; returns the time left of timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return max(left, 1.0)
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        if deadline - time.monotonic() <= 0:
+            raise error(last)
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+
+def _join(spec: ClusterSpec, timeout_s: float) -> None:
+    import jax
+    _check_backend_not_started()
+    host, port = split_address(spec.coordinator_address)
+    where = f"process {spec.process_id} of {spec.num_processes}"
+    if spec.process_id == 0:
+        if not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+            _check_port_free(port, spec.coordinator_address)
+        remaining = timeout_s
+    else:
+        # JAX's client aborts the whole process when the coordinator is unreachable; probing the
+        # port first turns the common failure into an exception the caller can handle.
+        remaining = _wait_for_listener(host, port, timeout_s, lambda last: CoordinatorTimeoutError(
+            f"{where} could not reach the coordinator at {spec.coordinator_address} within "
+            f"{timeout_s:g} s (last error: {last}). Check that process 0 was started and called "
+            "jaxdist.initialize, that every process uses this coordinator address, and that "
+            "the host and port are reachable from here (DNS, firewall)."))
+    logger.info("%s joining the job at %s", where, spec.coordinator_address)
+
+    arrivals = _Arrivals(port) if spec.process_id == 0 else None
+
+    def message() -> str:  # built when the watchdog fires: process 0 can then say who came
+        who = (_who_is_missing(spec, arrivals.most()) if arrivals else
+               "Process 0's log says how many connected, and from where.")
+        return (f"{where}: not all {spec.num_processes} processes joined the coordinator at "
+                f"{spec.coordinator_address} within {timeout_s:g} s. {who} Check that all "
+                f"{spec.num_processes} processes were started with the same coordinator "
+                "address and process count and distinct process ids, and the logs of the "
+                "missing ones.")
+    try:
+        with _Watchdog(remaining, message):
+            jax.distributed.initialize(
+                coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+                process_id=spec.process_id, local_device_ids=spec.local_device_ids,
+                initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
+    finally:
+        if arrivals:
+            arrivals.stop()
+    _shutdown_at_exit()
+
+
+_shutdown_registered = False  # whether `_shutdown_at_exit` has registered its handler
+
+
+def _shutdown_at_exit() -> None:
+    """Leaves the runtime cleanly at interpreter exit (``jax.distributed.shutdown``).
+
+    Without it, a finished process's peers see it vanish and may abort, and schedulers that
+    watch exit codes relaunch jobs that had in fact finished.
+    """
+    global _shutdown_registered
+    import atexit
+
+    if _shutdown_registered:
+        return
+    _shutdown_registered = True
+
+    def shutdown():
+        import jax
+
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to leave
+            logger.info("jax.distributed.shutdown at exit: %s", e)
+    atexit.register(shutdown)
+
+
+def _join_autodetected(timeout_s: float) -> ClusterSpec:
+    import jax
+    from jax._src import xla_bridge
+    state = _distributed_state()
+    if xla_bridge.backends_are_initialized():
+        # Too late to join anything: this process can only be a job of its own.
+        logger.warning("JAX's backend started before jaxdist.initialize(); continuing as a "
+                       "single process. In a multi-process job, call jaxdist.initialize() "
+                       "before any other JAX call.")
+        return ClusterSpec.single_process()
+    with _Watchdog(timeout_s, f"the job detected from the environment (SLURM / Open MPI / "
+                   f"Kubernetes / Cloud TPU) did not come up within {timeout_s:g} s. Check the "
+                   "scheduler's logs for processes that failed to start."):
+        try:
+            jax.distributed.initialize(
+                initialization_timeout=math.ceil(timeout_s) + _JAX_DEADLINE_MARGIN_S)
+        except ValueError as e:
+            # JAX's signal that no cluster environment was detected.
+            if state.client is not None or "coordinator_address" not in str(e):
+                raise
+            logger.info("no cluster configuration found; running as a single process")
+            return ClusterSpec.single_process()
+    _shutdown_at_exit()
+    return _adopt_running_runtime()
+
+
+def _peer_connections(port: int) -> list[tuple[str, int]] | None:
+    """Source ``(address, port)`` of the other processes connected to this process's coordinator.
+
+    JAX's coordination service (hosted by process 0) names nobody when a process never
+    registers, and it cannot be asked before every process has; the kernel's socket table
+    can. Reads ``/proc/net/tcp{,6}`` for established connections accepted on `port` by this
+    process, minus this process's own client. None where there is no such table (not Linux).
+    """
+    mine = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+        rows = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows += [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return None
+    # Columns: sl local remote state ... uid timeout inode; 01 is ESTABLISHED.
+    live = [(_proc_address(r[1]), _proc_address(r[2])) for r in rows
+            if len(r) > 9 and r[3] == "01" and r[9] in mine]
+    accepted = [remote for local, remote in live if local[1] == port]
+    own_clients = {local for local, remote in live if remote[1] == port}
+    return sorted(peer for peer in accepted if peer not in own_clients)
+
+
+def _proc_address(field: str) -> tuple[str, int]:
+    """("10.0.0.2", 1234) from /proc/net/tcp's "0200000A:04D2" (IPv6 and v4-mapped too)."""
+    hex_ip, hex_port = field.split(":")
+    raw = bytes.fromhex(hex_ip)
+    if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]  # an IPv4 peer on a dual-stack socket
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw), int(hex_port, 16)
+
+
+class _Arrivals:
+    """Samples `_peer_connections` while process 0 waits, keeping the fullest view.
+
+    The processes that did connect time out at about the same moment as process 0 and exit, so
+    the socket table at the deadline may already have lost them. Only connections seen in two
+    samples in a row count: a peer's port probe (`_wait_for_listener`) comes and goes at once.
+    """
+
+    def __init__(self, port: int, every_s: float = 0.5):
+        self._port, self._every_s = port, every_s
+        self._last: set | None = None
+        self._best: list[str] | None = None
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="jaxdist-arrivals", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._sample()
+            self._stopped.wait(self._every_s)
+
+    def _sample(self) -> None:
+        peers = _peer_connections(self._port)
+        if peers is None:
+            return
+        stable = set(peers) & self._last if self._last is not None else set()
+        self._last = set(peers)
+        if self._best is None or len(stable) > len(self._best):
+            self._best = sorted(host for host, _ in stable)
+
+    def most(self) -> list[str] | None:
+        """Hosts of the most connections seen at once (one entry per connection); None without
+        a socket table."""
+        return self._best
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _who_is_missing(spec: ClusterSpec, peers: list[str] | None) -> str:
+    """Process 0's account of which processes have connected to its coordinator and which not."""
+    others = spec.num_processes - 1
+    if peers is None:
+        return ""
+    came = ", ".join(f"{h} ({peers.count(h)})" for h in sorted(set(peers)))
+    text = (f"{len(peers)} of the {others} other processes connected (from {came}); "
+            f"{max(others - len(peers), 0)} did not." if peers else
+            f"None of the {others} other processes connected.")
+    if len(spec.workers) != spec.num_processes or len(peers) >= others:
+        return text  # the job's addresses are unknown (JAXDIST_* / scheduler): counts only
+    hosts = {pid: split_address(spec.workers[pid])[0] for pid in range(1, spec.num_processes)}
+    coordinator, me = split_address(spec.coordinator_address)[0], socket.gethostname()
+    resolved = _resolve_all({*hosts.values(), coordinator, me})
+    local = {"127.0.0.1", "::1"} | resolved[coordinator] | resolved[me]
+    by_host: dict[frozenset, list[int]] = {}
+    unknown = []
+    for pid, host in hosts.items():
+        addresses = resolved[host]
+        if not addresses:
+            unknown.append(pid)  # not resolved here: cannot tell whether it came
+            continue
+        key = frozenset({"this host"} if addresses & local else addresses)
+        by_host.setdefault(key, []).append(pid)
+    missing = []
+    for key, pids in by_host.items():
+        seen = sum(1 for h in peers if (h in local and "this host" in key) or h in key)
+        if seen < len(pids):
+            names = ", ".join(f"{pid} ({spec.workers[pid]})" for pid in pids)
+            missing.append(f"process {names}" if len(pids) == 1 else
+                           f"{len(pids) - seen} of processes {names}")
+    if missing:
+        text += f" No connection seen from: {'; '.join(missing)}."
+    if unknown:
+        text += f" Processes {unknown}: their hosts do not resolve here."
+    return text
+
+
+def _resolve_all(hosts: set[str], timeout_s: float = 3.0) -> dict[str, set[str]]:
+    """``{host: addresses}``, resolved in parallel within `timeout_s` in all (empty if not)."""
+    out: dict[str, set[str]] = {h: set() for h in hosts}
+
+    def lookup(host):
+        try:
+            found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return
+        out[host] = found
+
+    threads = [threading.Thread(target=lookup, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s  # DNS has no timeout of its own; the exit must come
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return {h: set(a) for h, a in out.items()}
+
+
+# JAX's own deadline is set past ours so that the watchdog's clear message comes first.
+_JAX_DEADLINE_MARGIN_S = 10
+
+
+class _Watchdog:
+    """Exits the process with a clear message if the guarded block outlives `timeout_s`.
+
+    `message` is the text, or a function that makes it when the time is up.
+    """
+
+    def __init__(self, timeout_s: float, message: str | Callable[[], str]):
+        self._timer = threading.Timer(timeout_s, self._fire, args=(message,))
+        self._timer.daemon = True
+
+    @staticmethod
+    def _fire(message: str | Callable[[], str]) -> None:
+        if callable(message):
+            try:
+                message = message()
+            except Exception as e:  # noqa: BLE001 - the exit must happen whatever the probe did
+                message = f"(could not describe who is missing: {type(e).__name__}: {e})"
+        logger.critical("jaxdist.initialize failed: %s Exiting with status 1.", message)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+    def __enter__(self):
+        self._timer.start()
+
+    def __exit__(self, *exc_info):
+        self._timer.cancel()
+
+
+_barrier_counts: dict[str, int] = {}
+_KV_PREFIX = "jaxdist/barrier"
+
+
+def barrier(name: str, /, *, timeout_s: float = 60.0,
+            process_ids: Sequence[int] | None = None) -> None:
+    """Blocks until every process (or every one of `process_ids`) has called `barrier(name)`.
+
+    Must be called on all processes (all of `process_ids`), the same number of times and in
+    the same order. In a one-process job it returns at once.
+
+    Args:
+      name: identifies the barrier; the same name may be used again (each call is a new
+        barrier). No "/".
+      timeout_s: how long to wait for the others.
+      process_ids: the processes that take part; all of them when None.
+
+    Raises:
+      BarrierTimeoutError: some processes did not arrive within timeout_s; the message and
+        its `missing` attribute name them.
+      ValueError: the name is empty or contains "/".
+
+    >>> barrier("setup-done")  # one process: returns at once
+    """
+    if not isinstance(name, str) or not name or "/" in name:
+        raise _fail("name", name, "expected a non-empty string without '/'",
+                    "pass a name such as 'after-restore'")
+    state = _distributed_state()
+    client = state.client
+    if client is None or state.num_processes == 1:
+        return
+    me = state.process_id
+    expected = tuple(range(state.num_processes)) if process_ids is None else tuple(process_ids)
+    if me not in expected:
+        raise _fail("process_ids", list(expected), f"this process ({me}) is not one of them",
+                    "call barrier only on the processes listed, or add this one")
+    # A subset's barrier is a different barrier from the full one of the same name.
+    tag = name if process_ids is None else f"{name}@{'-'.join(map(str, expected))}"
+    with _lock:
+        count = _barrier_counts.get(tag, 0)
+        _barrier_counts[tag] = count + 1
+    directory = f"{_KV_PREFIX}/{tag}/{count}/"
+    # Arrival keys let a process that times out say who is missing; the "at" key says where
+    # each process last waited, which points at a mismatched barrier name.
+    client.key_value_set(directory + str(me), "1")
+    client.key_value_set(f"{_KV_PREFIX}-at/{me}", f"{name!r} (call #{count})",
+                         allow_overwrite=True)
+    from jax.errors import JaxRuntimeError
+    try:
+        client.wait_at_barrier(f"jaxdist:{tag}:{count}", max(1, int(timeout_s * 1000)),
+                               process_ids=None if process_ids is None else list(expected))
+    except JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        arrived = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(directory)}
+        missing = tuple(p for p in expected if p not in arrived)
+        who = (f"process(es) {list(missing)} of {list(expected)} did not arrive "
+               f"({_last_seen(client, missing)})" if missing else
+               f"all of {list(expected)} arrived, the last ones after the deadline")
+        raise BarrierTimeoutError(
+            f"barrier {name!r} (call #{count}) timed out after {timeout_s:g} s on process {me}: "
+            f"{who}. Fix: call jaxdist.barrier({name!r}) on every "
+            "process in the same order; check the missing processes' logs for an error or a "
+            "slow step, or raise timeout_s.",
+            name=name, missing=missing, timeout_s=timeout_s) from e
+    client.key_value_delete(directory + str(me))
+
+
+def _last_seen(client, missing: Sequence[int]) -> str:
+    from jax.errors import JaxRuntimeError
+    seen = []
+    for p in missing:
+        try:
+            seen.append(f"process {p} last entered barrier "
+                        f"{client.key_value_try_get(f'{_KV_PREFIX}-at/{p}')}")
+        except JaxRuntimeError:
+            seen.append(f"process {p} has entered no barrier")
+    return "; ".join(seen)

@@ -1,0 +1,372 @@
+"""A Keras-like training loop over a compiled distributed step.
+
+Two properties matter more than features here:
+
+* **Bounded run-ahead.** JAX dispatches asynchronously; the loop keeps at most ``max_in_flight``
+  steps queued by waiting on the metrics of older steps. On XLA:CPU with several devices, ~100
+  queued steps containing collectives deadlock XLA's rendezvous and abort the process.
+* **Exact metrics.** Each step's metrics are means over the real examples of its batch; the epoch's
+  value weights them by those counts, so a padded final batch is neither dropped nor over-counted.
+  Metrics are read a few steps at a time while the newer half of the ``max_in_flight`` window stays
+  in flight; the newest step is never waited on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
+from jaxdist.core._types import PyTree
+from jaxdist.core.step import DistributedStep, check_max_in_flight
+from jaxdist.input.dataset import DistributedDataset
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class History:
+    """What ``fit`` returns: per-epoch metrics (``history["loss"]`` …) and the trained ``state``."""
+
+    history: dict[str, list[float]]
+    state: PyTree
+    epochs: list[int]
+
+
+class _Meter:
+    """Count-weighted running means of step metrics, read back a few steps late."""
+
+    def __init__(self, max_in_flight: int):
+        self._pending: collections.deque = collections.deque()
+        self._max = max_in_flight
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    def push(self, metrics: PyTree, num_real: int) -> None:
+        self._pending.append((metrics, num_real))
+        if len(self._pending) > self._max:
+            # The older steps in one transfer (one wait, not one per step); the newer half of the
+            # window stays in flight, so the devices never run dry while the host reads.
+            self._read(len(self._pending) - (self._max + 1) // 2)
+
+    def _read(self, count: int) -> None:
+        batch = [self._pending.popleft() for _ in range(count)]
+        for metrics, (_, n) in zip(jax.device_get([m for m, _ in batch]), batch):
+            for k, v in _flatten_metrics(metrics).items():
+                self._sums[k] = self._sums.get(k, 0.0) + float(v) * n
+            self._count += n
+
+    def drain(self) -> dict[str, float]:
+        self._read(len(self._pending))
+        return self.result()
+
+    def result(self) -> dict[str, float]:
+        return {k: s / self._count for k, s in self._sums.items()} if self._count else {}
+
+
+def _flatten_metrics(metrics: PyTree) -> dict[str, Any]:
+    if isinstance(metrics, dict) and all(isinstance(k, str) for k in metrics):
+        flat = {}
+        for k, v in metrics.items():
+            if isinstance(v, dict):
+                flat.update({f"{k}/{kk}": vv for kk, vv in _flatten_metrics(v).items()})
+            else:
+                flat[k] = v
+        return flat
+    leaves = jax.tree_util.tree_flatten_with_path(metrics)[0]
+    return {jax.tree_util.keystr(p) or "value": v for p, v in leaves}
+
+
+def _check_scalars(flat: dict[str, Any]) -> None:
+    for k, v in flat.items():
+        if np.ndim(v) != 0:
+            raise ValueError(f"metric {k!r} has shape {np.shape(v)}; a step must return scalar "
+                             "metrics (means over the real examples of the batch)")
+
+
+def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed: int,
+                what: str) -> DistributedDataset:
+    if isinstance(data, DistributedDataset):
+        return data
+    if batch_size is None:
+        raise ValueError(f"{what} is not a jaxdist.DistributedDataset, so pass batch_size= (the "
+                         f"global batch size) or build one with strategy.distribute(data, batch)")
+    return strategy.distribute(data, batch_size, shuffle=shuffle, seed=seed)
+
+
+def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Callable:
+    if isinstance(step_fn, DistributedStep):
+        return step_fn
+    return strategy.step(step_fn, donate=donate)
+
+
+def _strategy_of(step_fn: Callable, data: Any):
+    from jaxdist.strategy.mirrored import DefaultStrategy
+
+    s = getattr(step_fn, "strategy", None)
+    if s is None and isinstance(data, DistributedDataset):
+        s = data.strategy
+    return s or DefaultStrategy()
+
+
+def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
+             steps: int | None = None, max_in_flight: int = 4) -> dict[str, float]:
+    """Runs ``eval_step(state, batch) -> metrics`` over ``data``; returns count-weighted means.
+
+    Args:
+      eval_step: a plain function or one compiled with ``strategy.step``; it must return scalar
+        metrics averaged over the batch's real examples (use ``batch.mask``).
+      state: the state to evaluate (not consumed).
+      data: a ``DistributedDataset``, or raw data with ``batch_size``.
+
+    Returns:
+      ``{name: mean over all real examples}``.
+    """
+    strategy = _strategy_of(eval_step, data)
+    step = _as_step(eval_step, strategy, donate=False)
+    dataset = _as_dataset(data, strategy, batch_size, False, 0, "evaluate data")
+    meter = _Meter(max_in_flight)
+    with iter(dataset) as it:
+        for k, batch in enumerate(it):
+            if steps is not None and k >= steps:
+                break
+            metrics = step(state, batch)
+            if k == 0 and not jax.tree.leaves(metrics):
+                raise ValueError("eval_step returned no metrics; it must return a pytree of scalars "
+                                 "such as {'loss': ..., 'accuracy': ...}")
+            meter.push(metrics, it.last_num_real)
+    return meter.drain()
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """A global array as numpy on this process, whatever its sharding (all processes call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
+            steps: int | None = None, max_in_flight: int = 4) -> PyTree:
+    """Runs ``predict_step(state, batch) -> predictions`` over ``data``; returns them in input order.
+
+    Every process calls it (under a multi-process strategy) and every process gets all the
+    predictions: each batch's outputs are gathered from every replica and process, and the rows
+    that only pad the final batch are removed (Keras's ``model.predict``).
+
+    Args:
+      predict_step: a plain function or one compiled with ``strategy.step``; it returns a pytree of
+        arrays whose leading axis is the batch (logits, say).
+      state: the state to predict with (not consumed).
+      data: a ``DistributedDataset`` built with ``shuffle=False``, or raw data with ``batch_size``.
+      steps: stop after this many batches.
+      max_in_flight: batches dispatched before the oldest one is read back.
+
+    Returns:
+      The predictions' pytree with numpy leaves of leading size = the number of examples.
+
+    Raises:
+      ValueError: a shuffled dataset (the order would not be the input's), or outputs without the
+        batch axis.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdist
+    >>> s = jaxdist.MirroredStrategy()
+    >>> out = predict(lambda w, b: b.data * w, jnp.float32(2.0), s.distribute(np.arange(10.0), 8))
+    >>> out.tolist()
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0]
+    """
+    strategy = _strategy_of(predict_step, data)
+    step = _as_step(predict_step, strategy, donate=False)
+    dataset = _as_dataset(data, strategy, batch_size, False, 0, "predict data")
+    if dataset.shuffle:
+        raise ValueError("predict got a dataset built with shuffle=True, so the predictions could not "
+                         "be in input order; build it with strategy.distribute(data, batch_size)")
+    gb = dataset.global_batch_size
+    pending: collections.deque = collections.deque()
+    chunks: list = []
+
+    def read_oldest():
+        out, mask = pending.popleft()
+        keep = _to_host(mask)
+        leaves = jax.tree.leaves(out)
+        if any(np.ndim(v) == 0 or np.shape(v)[0] != gb for v in leaves):
+            raise ValueError(f"predict_step returned shapes {[np.shape(v) for v in leaves]}; every "
+                             f"output needs the batch as its leading axis ({gb} rows)")
+        chunks.append(jax.tree.map(lambda v: _to_host(v)[keep], out))
+
+    with iter(dataset) as it:
+        for k, batch in enumerate(it):
+            if steps is not None and k >= steps:
+                break
+            pending.append((step(state, batch), batch.mask))
+            while len(pending) > max_in_flight:
+                read_oldest()
+    while pending:
+        read_oldest()
+    if not chunks:
+        return None
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
+
+
+_EMPTY = ("fit data is empty: {n} examples give no batch of global size {gb}, so there is "
+          "nothing to train on. Check the data (an empty train split, a filter that drops "
+          "everything) and the batch size")
+
+
+def _warn_nonfinite(info: TrainInfo) -> bool:
+    """Warns (process 0) that training goes on on NaN/Inf metrics; True once it has warned."""
+    bad = sorted(k for k, v in info.logs.items()
+                 if isinstance(v, (float, int)) and not math.isfinite(v))
+    if not bad or info.stop_training:  # nothing wrong, or a callback (TerminateOnNaN) stops it
+        return False
+    if jax.process_index() == 0:
+        warnings.warn(
+            f"fit: {', '.join(bad)} became NaN or Inf by step {info.step} (epoch {info.epoch}) "
+            "and training goes on. Common causes: labels outside the model's classes [0, "
+            "num_classes) (integer-label cross-entropy gives NaN for them), NaN or Inf in the "
+            "inputs, too high a learning rate. Add jaxdist.callbacks.TerminateOnNaN() to stop "
+            "at the first NaN", RuntimeWarning, stacklevel=3)
+    return True
+
+
+def _num_examples(dataset: Any) -> Any:
+    n = getattr(dataset, "num_examples", None)
+    return n if isinstance(n, int) else "its"
+
+
+def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
+        steps_per_epoch: int | None = None, eval_step: Callable | None = None,
+        eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
+        batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
+        initial_epoch: int = 0, max_in_flight: int = 4) -> History:
+    """Trains ``state`` with ``train_step(state, batch) -> (state, metrics)`` for ``epochs``.
+
+    Args:
+      train_step: a step from ``@jaxdist.mirrored`` / ``strategy.step``, or a plain function (it is
+        then compiled with the dataset's strategy, or the default strategy).
+      state: the initial train state; it is donated to the first step once placed.
+      data: a ``DistributedDataset`` (``strategy.distribute(...)``), or raw arrays with ``batch_size``.
+      epochs: train until this epoch (exclusive of ``initial_epoch``'s predecessors).
+      steps_per_epoch: cap on steps per epoch (default: one pass over the data).
+      eval_step, eval_data: evaluated after each epoch; metrics are logged as ``val_<name>``.
+      callbacks: ``jaxdist.callbacks.Callback`` instances.
+      verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
+      max_in_flight: most steps dispatched but not finished (see the module docstring).
+
+    Returns:
+      ``History`` with ``history`` (per-epoch metrics), ``state`` (trained) and ``epochs``.
+
+    Raises:
+      ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
+        batch, or a step returning non-scalar metrics.
+
+    Warns:
+      RuntimeWarning: once, when a metric read back becomes NaN or Inf and no callback stops
+        training (``jaxdist.callbacks.TerminateOnNaN`` does).
+    """
+    check_max_in_flight(max_in_flight)
+    strategy = _strategy_of(train_step, data)
+    step = _as_step(train_step, strategy, donate=True)
+    dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
+    if eval_step is not None and eval_data is not None:
+        eval_step = _as_step(eval_step, strategy, donate=False)
+        eval_data = _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data")
+    # A step that trains elsewhere (ParameterServerStrategy's) brings callbacks that drive its
+    # cluster: join at epoch end and hand back the trained state, as Keras's fit does.
+    cbs = [*getattr(step, "callbacks", ()), *callbacks]
+    if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
+        cbs.append(ProgressBar())
+    try:
+        planned = len(dataset)
+    except TypeError:
+        planned = None
+    if steps_per_epoch is not None:
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch}; expected >= 1 (or None: one "
+                             "pass over the data)")
+        planned = steps_per_epoch if planned is None else min(planned, steps_per_epoch)
+    if planned == 0:
+        raise ValueError(_EMPTY.format(n=_num_examples(dataset),
+                                       gb=dataset.global_batch_size))
+    info = TrainInfo(epoch=initial_epoch, state=state, steps_per_epoch=planned, epochs=epochs,
+                     global_batch_size=dataset.global_batch_size, strategy=strategy)
+    history: dict[str, list[float]] = collections.defaultdict(list)
+    done_epochs: list[int] = []
+    warned = False  # about NaN/Inf metrics, once per fit
+    try:
+        resumed_by = None
+        for cb in cbs:
+            resume = cb.on_train_begin(info)
+            if isinstance(resume, Resume):
+                if resumed_by is not None:
+                    raise ValueError(f"two callbacks resume training ({type(resumed_by).__name__} and "
+                                     f"{type(cb).__name__}); keep one BackupAndRestore")
+                resumed_by = cb
+                info.state, info.step = resume.state, resume.step
+                info.epoch, info.position = resume.epoch, resume.position
+        # Carry on from a resumed run's epoch and batch. A backup taken after an epoch's last step
+        # resumes at the next epoch, not with one step too many.
+        start_epoch, start_position = info.epoch, info.position
+        if planned is not None and start_position >= planned:
+            start_epoch, start_position = start_epoch + 1, 0
+        for epoch in range(start_epoch, epochs):
+            position = start_position if epoch == start_epoch else 0
+            info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
+            for cb in cbs:
+                cb.on_epoch_begin(info)
+            meter = _Meter(max_in_flight)
+            with dataset.iterator(epoch=epoch, position=position) as it:
+                info.iterator = it
+                for batch in it:
+                    info.state, metrics = step(info.state, batch)
+                    if info.epoch_steps == position:
+                        _check_scalars(_flatten_metrics(metrics))
+                    meter.push(metrics, it.last_num_real)
+                    info.step += 1
+                    info.epoch_steps += 1
+                    info.position = it.position
+                    if not jax.tree.leaves(metrics) and info.epoch_steps % max_in_flight == 0:
+                        # Nothing to read back, so nothing else would bound the run-ahead.
+                        jax.block_until_ready(info.state)
+                    info.logs = meter.result()
+                    for cb in cbs:
+                        cb.on_train_batch_end(info)
+                    warned = warned or _warn_nonfinite(info)
+                    if info.stop_training or (steps_per_epoch is not None
+                                              and info.epoch_steps >= steps_per_epoch):
+                        break
+            if info.epoch_steps == 0 and position == 0:  # a dataset without a length
+                raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
+            info.logs = meter.drain()
+            if eval_step is not None and eval_data is not None:
+                val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)
+                info.logs.update({f"val_{k}": v for k, v in val.items()})
+            for cb in cbs:
+                cb.on_epoch_end(info)
+            warned = warned or _warn_nonfinite(info)
+            # After the callbacks (as Keras's History): values they add, a learning rate say, stay.
+            for k, v in info.logs.items():
+                history[k].append(v)
+            done_epochs.append(epoch)
+            if jax.process_index() == 0 and verbose:
+                logger.info("epoch %d: %s", epoch + 1,
+                            ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
+            if info.stop_training:
+                break
+        for cb in cbs:
+            cb.on_train_end(info)
+    finally:
+        for cb in cbs:  # also when a step or a callback raised: signal handlers, open files
+            cb.close()
+    return History(dict(history), info.state, done_epochs)
