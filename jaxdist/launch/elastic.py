@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+from jaxdist.launch._procs import describe_exit, free_ports
 from jaxdist.launch.cluster import ClusterSpec, split_address
 from jaxdist.launch.hang import HangDetector
 from jaxdist.launch.memstate import heartbeat_path, stop_path, write_stop
@@ -212,7 +213,7 @@ class Agent:
 
     def _join(self) -> tuple[int, list] | None:
         deadline = time.monotonic() + self.rdzv_timeout_s
-        port = _free_port()
+        port = free_ports(1, host="")[0]
         while time.monotonic() < deadline:
             if self.store.get("done") or self.l._signal is not None:
                 return None
@@ -285,7 +286,7 @@ class Agent:
             for i, code in enumerate(codes):
                 if code not in (None, 0) and (not draining or None not in codes):
                     return fail(f"rank {first + i} on host {self.hostname} "
-                                f"{_describe(code)}", code if code > 0 else 128 - code)
+                                f"{describe_exit(code)}", code if code > 0 else 128 - code)
             if all(code == 0 for code in codes):
                 if self._leaving:
                     self.say(f"left the job at step {self._stop if draining else 'end'}")
@@ -423,21 +424,6 @@ class Agent:
             elif time.monotonic() - quiet_since > self.rdzv_timeout_s:
                 return
             time.sleep(0.2)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

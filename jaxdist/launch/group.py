@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxdist.launch import reaper
+from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec
 from jaxdist.launch.hang import HangDetector
 from jaxdist.launch.memstate import ENV_STATE_DIR, heartbeat_path
@@ -79,37 +80,6 @@ class _Options:
         check("rdzv_id", bool(self.rdzv_id) and "/" not in self.rdzv_id,
               "a non-empty name without '/'")
         check("rdzv_timeout_s", self.rdzv_timeout_s > 0, "> 0 seconds")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (best effort: another process may take one).
-
-    All ``n`` sockets are held open together so that the ports differ.
-    """
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "signal"
-        return f"was killed by {name} ({-returncode})"
-    return f"exited with code {returncode}"
-
-
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
 
 
 # Run before the rank's own interpreter: ask for SIGKILL when the parent (the launcher) dies,
@@ -336,12 +306,12 @@ class _Launcher:
                 code = procs["chief", 0].poll()
                 if code is not None:
                     if code != 0:
-                        self.say(f"chief {_describe(code)}; stopping the job")
+                        self.say(f"chief {describe_exit(code)}; stopping the job")
                     grace_end = time.monotonic() + self._options.grace_period_s
                     while (any(p.poll() is None for p in procs.values())  # after Shutdown
                            and time.monotonic() < grace_end):
                         self._wake.wait(0.05)
-                    return _exit_code(code)
+                    return exit_code(code)
                 for task in tasks[1:]:
                     code = procs[task].poll()
                     if code in (None, 0) or restarts[task] < 0:
@@ -349,11 +319,11 @@ class _Launcher:
                     if restarts[task] < o.max_restarts:
                         restarts[task] += 1
                         self.restarts += 1
-                        self.say(f"{task[0]} {task[1]} {_describe(code)}; restarting it "
+                        self.say(f"{task[0]} {task[1]} {describe_exit(code)}; restarting it "
                                  f"(restart {restarts[task]} of {o.max_restarts})")
                         start(task)
                     else:
-                        self.say(f"{task[0]} {task[1]} {_describe(code)}; not restarted "
+                        self.say(f"{task[0]} {task[1]} {describe_exit(code)}; not restarted "
                                  f"(--max-restarts {o.max_restarts})")
                         restarts[task] = -1
                 if deadline is not None and time.monotonic() > deadline:
@@ -378,9 +348,9 @@ class _Launcher:
             if failed:
                 rank, code = failed[0]
                 others = [p for p in procs if p.poll() is None]
-                self.say(f"rank {rank} {_describe(code)}; killing the other "
+                self.say(f"rank {rank} {describe_exit(code)}; killing the other "
                          f"{len(others)} running process(es)")
-                return _exit_code(code), f"rank {rank} {_describe(code)}"
+                return exit_code(code), f"rank {rank} {describe_exit(code)}"
             if all(code == 0 for code in codes):
                 return 0, None
             if time.monotonic() >= next_check:

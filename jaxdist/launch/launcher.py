@@ -36,12 +36,12 @@ from collections.abc import Mapping, Sequence
 from jaxdist import _output
 
 from jaxdist.launch import reaper
+from jaxdist.launch._procs import free_ports as free_ports
 from jaxdist.launch.cluster import parse_count
 from jaxdist.launch.group import ENV_INIT_TIMEOUT as ENV_INIT_TIMEOUT
 from jaxdist.launch.group import EXIT_HUNG as EXIT_HUNG
 from jaxdist.launch.group import EXIT_TIMEOUT as EXIT_TIMEOUT
 from jaxdist.launch.group import _Launcher, _Options
-from jaxdist.launch.group import free_ports as free_ports
 
 
 @dataclasses.dataclass(frozen=True)
