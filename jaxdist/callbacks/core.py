@@ -51,6 +51,10 @@ class TrainInfo:
         from the ``Resume`` a callback returns).
       iterator: the epoch's ``DistributedIterator`` (its ``state()`` is the input position).
       strategy: the strategy the step runs under.
+      steps_per_execution: steps ``fit`` runs per compiled call (Keras's name).
+      call_steps: steps the latest call ran. ``on_train_batch_end`` runs once per call (as in
+        Keras), so it sees steps ``step - call_steps + 1 .. step`` done: with
+        ``steps_per_execution=K``, ``K`` of them (fewer for an epoch's last call).
     """
 
     epoch: int = 0
@@ -65,6 +69,8 @@ class TrainInfo:
     position: int = 0
     iterator: Any = None
     strategy: Any = None
+    steps_per_execution: int = 1
+    call_steps: int = 1
 
 
 class Callback:

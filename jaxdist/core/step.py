@@ -1,14 +1,23 @@
-"""Turning a user's global-view step into a compiled distributed step, with bounded run-ahead."""
+"""Turning a user's global-view step into a compiled distributed step, with bounded run-ahead.
+
+A step is one compiled call per batch, or (``DistributedStep.steps``, what ``fit``'s
+``steps_per_execution`` runs) one compiled call for several batches stacked on a new leading axis:
+a loop on the device runs the user's step once per batch, so the host dispatches once for all.
+"""
 
 from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
 
 from jaxdist.core import replica
 from jaxdist.core._types import PyTree
@@ -29,7 +38,12 @@ def check_max_in_flight(max_in_flight: int) -> int:
 
 
 class InFlight:
-    """Bounds how many dispatched steps may still be running.
+    """Bounds how many dispatched steps (compiled calls) may still be running.
+
+    A call of ``DistributedStep.steps`` counts once, whatever the number of steps it runs: the
+    deadlock this guards against comes from queued *executions*, each of which needs every device's
+    thread to join XLA:CPU's rendezvous at once; the steps inside one execution run one after the
+    other in that execution and join it one at a time.
 
     JAX dispatches asynchronously, so a plain ``for`` loop over a compiled step queues steps as fast
     as Python can issue them. After each step this keeps a handle on one of its outputs that the
@@ -97,6 +111,81 @@ def returns_state(state: PyTree, out: Any) -> bool:
     return isinstance(out, tuple) and len(out) == 2 and _same_layout(state, out[0])
 
 
+def _traced_in(ctx: Any, fn: Callable) -> Callable:
+    """``fn`` entering the replica context whenever it is traced. The context only matters while
+    tracing (``jaxdist.all_reduce`` reads it then), so a call of the compiled step needs none."""
+    @functools.wraps(fn)
+    def traced(*args):
+        with replica.enter(ctx):
+            return fn(*args)
+
+    return traced
+
+
+def stacked_sharding(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` with a new unsplit leading axis: where a stack of batches (or masks) lives."""
+    return NamedSharding(sharding.mesh, jax.P(None, *sharding.spec),
+                         memory_kind=sharding.memory_kind)
+
+
+def _loop(fn: Callable, keeps_state: bool, extras: PyTree) -> Callable:
+    """``fn(state, batch)`` run over the leading axis of stacked batches in one program.
+
+    ``count`` (traced) batches are run, at most the stack's length: a stack padded to its usual
+    length for a shorter group (an epoch's tail) runs only its real batches, so padding never
+    touches the state (no optimizer step is counted for it). The extras (metrics) of step ``i``
+    are row ``i`` of the stacked extras; rows past ``count`` are zeros.
+    """
+    def program(state, batches, count):
+        length = jax.tree.leaves(batches)[0].shape[0]
+        rows = jax.tree.map(lambda s: jnp.zeros((length,) + tuple(s.shape), s.dtype), extras)
+
+        def one(i, carry):
+            current, rows = carry
+            batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False),
+                                 batches)
+            out = fn(current, batch)
+            new, extra = out if keeps_state else (current, out)
+            rows = jax.tree.map(lambda r, v: lax.dynamic_update_index_in_dim(r, v, i, 0),
+                                rows, extra)
+            return new, rows
+
+        if keeps_state:
+            return lax.fori_loop(0, count, one, (state, rows))
+        # An evaluation: the state is read, not carried (a carry would copy it every call).
+        return lax.fori_loop(0, count, lambda i, r: one(i, (state, r))[1], rows)
+
+    return program
+
+
+class _Plan(NamedTuple):
+    """What the previous call found, so that a loop's next call can skip placing and keying: the
+    state it expects (the previous output, held weakly), the batch's structure and shardings."""
+
+    treedef: Any
+    refs: tuple
+    batch_def: Any
+    batch_shardings: tuple
+    compiled: Callable
+    keeps_state: bool
+
+
+def _is_expected(refs: tuple, leaves: list) -> bool:
+    if len(refs) != len(leaves):
+        return False
+    for ref, x in zip(refs, leaves):
+        if ref() is not x:
+            return False
+    return True
+
+
+def _has_shardings(leaves: list, shardings: tuple) -> bool:
+    for x, s in zip(leaves, shardings):
+        if getattr(x, "sharding", None) is not s:
+            return False
+    return True
+
+
 class DistributedStep:
     """A user's global-view ``fn(state, batch)`` compiled for a strategy.
 
@@ -124,14 +213,43 @@ class DistributedStep:
         self._donate = donate
         self._in_flight = InFlight(max_in_flight)
         self._compiled: dict[Any, tuple[Callable, bool]] = {}
+        self._plan: _Plan | None = None
 
     def __repr__(self) -> str:
         return f"DistributedStep({getattr(self._fn, '__qualname__', self._fn)!r}, {self.strategy!r})"
 
     def __call__(self, state: PyTree, batch: PyTree, /):
+        layout = self.strategy.layout
+        plan = self._plan
+        if plan is not None:
+            # The steady state of a loop: the state is what the previous call returned and the
+            # batch is laid out as the previous one was, so nothing needs placing or keying.
+            leaves, treedef = jax.tree.flatten(state)
+            if treedef == plan.treedef and _is_expected(plan.refs, leaves):
+                batch_leaves, batch_def = jax.tree.flatten(batch)
+                if batch_def == plan.batch_def and _has_shardings(batch_leaves,
+                                                                  plan.batch_shardings):
+                    with layout.mesh_context():
+                        out = plan.compiled(state, batch)
+                    return self._finish(out, plan.keeps_state, plan.compiled, state, batch_def,
+                                        plan.batch_shardings)
         # Called inside the user's own ``jax.set_mesh`` (Explicit axes, say): run on ours.
-        with self.strategy.layout.mesh_context():
+        with layout.mesh_context():
             return self._call(state, batch)
+
+    def _finish(self, out: Any, keeps_state: bool, compiled: Callable, state: PyTree,
+                batch_def: Any, batch_shardings: tuple):
+        """Bounds the run-ahead and remembers what the next call of a loop will pass."""
+        if keeps_state:
+            self._in_flight.add(out[1], out[0])
+            expected = out[0]
+        else:
+            self._in_flight.add(out, ())
+            expected = state
+        leaves, treedef = jax.tree.flatten(expected)
+        self._plan = _Plan(treedef, tuple(weakref.ref(x) for x in leaves), batch_def,
+                           batch_shardings, compiled, keeps_state)
+        return out
 
     def _placed(self, state: PyTree, batch: PyTree):
         """State and batch placed the strategy's way, the state's leaves and treedef, and where
@@ -154,18 +272,100 @@ class DistributedStep:
         return entry
 
     def _call(self, state: PyTree, batch: PyTree, /):
-        layout = self.strategy.layout
+        self._plan = None
+        given_def = jax.tree.structure(batch)
         state, batch, leaves, treedef, mask_at = self._placed(state, batch)
         if not all(isinstance(x, jax.Array) for x in leaves):  # placed: the rest are static
             return self._call_static(state, leaves, treedef, batch, mask_at)
         compiled, keeps_state = self._entry(state, batch, leaves, treedef, mask_at)
-        with replica.enter(layout.context(per_replica=False)):
-            out = compiled(state, batch)
+        out = compiled(state, batch)
+        shardings = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(batch))
+        return self._finish(out, keeps_state, compiled, state, given_def, shardings)
+
+    # --- several steps per call (fit's steps_per_execution) ------------------------------------
+    def steps(self, state: PyTree, batches: PyTree, count: int, /):
+        """Runs ``count`` steps in one compiled call, on the batches stacked along a new axis.
+
+        Step ``i`` gets ``batches``' entry ``i`` (every leaf, and a ``Batch``'s mask, indexed on its
+        leading axis); only the first ``count`` entries are run, so a stack padded to its usual
+        length for a shorter group runs only the real batches and compiles nothing new. The
+        numbers are those of ``count`` calls of the step one batch at a time, to float rounding.
+
+        Args:
+          state: as for a call; donated.
+          batches: a ``Batch`` (or raw pytree) whose leaves are batches stacked on axis 0, as
+            ``DistributedIterator.next_group`` makes them (placed ``P(None, data)``).
+          count: steps to run, ``1 <= count <= `` the stack's length.
+
+        Returns:
+          ``(new_state, extras)`` (or ``extras`` for a step that returns no state) with every
+          leaf of ``extras`` stacked: entry ``i`` is step ``i``'s, entries from ``count`` on zeros.
+
+        Raises:
+          ValueError: ``count`` out of range.
+        """
+        length = jax.tree.leaves(batches)[0].shape[0]
+        if not 1 <= count <= length:
+            raise ValueError(f"steps(count={count}) must run between 1 and the {length} stacked "
+                             "batches")
+        with self.strategy.layout.mesh_context():
+            return self._call_steps(state, batches, np.int32(count))
+
+    def _placed_stack(self, batches: PyTree) -> tuple[PyTree, Any]:
+        layout = self.strategy.layout
+        on = stacked_sharding(layout.batch)
+        if isinstance(batches, Batch):
+            mask = batches.mask
+            mask_at = layout.mask_sharding(mask) if mask is not None else None
+            # A stack of replicated masks is itself replicated; keep it so.
+            mask_on = layout.replicated if mask_at is layout.replicated else on
+            data = _place_each(batches.data, on)
+            mask = None if mask is None else _place_each(mask, mask_on)
+            return Batch(data, mask), mask_at
+        return _place_each(batches, on), None
+
+    def _call_steps(self, state: PyTree, batches: PyTree, count: np.int32):
+        self._plan = None
+        layout = self.strategy.layout
+        state = self.strategy.put(state)
+        batches, mask_at = self._placed_stack(batches)
+        leaves, treedef = jax.tree.flatten(state)
+        if not all(isinstance(x, jax.Array) for x in leaves):
+            return self._call_static_steps(state, leaves, treedef, batches, mask_at, count)
+        key = ("steps", treedef, jax.tree.structure(batches), mask_at,
+               _shape_key(layout, leaves))
+        entry = self._compiled.get(key)
+        if entry is None:
+            entry = self._compiled[key] = self._build_steps(state, batches)
+        compiled, keeps_state = entry
+        out = compiled(state, batches, count)
         if keeps_state:
             self._in_flight.add(out[1], out[0])
         else:
             self._in_flight.add(out, ())
         return out
+
+    def _one_of(self, batches: PyTree) -> PyTree:
+        """An abstract single batch of a stack (what the user's step is traced on)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batches)
+
+    def _build_steps(self, state: PyTree, batches: PyTree) -> tuple[Callable, bool]:
+        layout = self.strategy.layout
+        ctx = layout.context(per_replica=False)
+        fn = _traced_in(ctx, layout.adapt_step(self._fn))
+        one = self._one_of(batches)
+        with explaining_batch_errors(batches):
+            out = jax.eval_shape(fn, state, one)
+        keeps_state = returns_state(state, out)
+        state_sh = layout.state_shardings(state)
+        stacked_sh = jax.tree.map(lambda x: x.sharding, batches)
+        extras = out[1] if keeps_state else out
+        extras_sh = jax.tree.map(lambda _: layout.replicated, extras)
+        out_sh = (state_sh, extras_sh) if keeps_state else extras_sh
+        donates = self._donate and keeps_state
+        return jax.jit(_loop(fn, keeps_state, extras),
+                       in_shardings=(state_sh, stacked_sh, layout.replicated),
+                       out_shardings=out_sh, donate_argnums=(0,) if donates else ()), keeps_state
 
     def lower(self, state: PyTree, batch: PyTree, /) -> jax.stages.Lowered:
         """The step lowered for ``state`` and ``batch`` as a call would compile it.
@@ -193,8 +393,8 @@ class DistributedStep:
         layout = self.strategy.layout
         state_sh = layout.state_shardings(state)
         batch_sh = layout.batch_shardings(batch)
-        fn = layout.adapt_step(self._fn)
-        with replica.enter(layout.context(per_replica=False)), explaining_batch_errors(batch):
+        fn = _traced_in(layout.context(per_replica=False), layout.adapt_step(self._fn))
+        with explaining_batch_errors(batch):
             out = jax.eval_shape(fn, state, batch)
         keeps_state = returns_state(state, out)
         if keeps_state:
@@ -229,9 +429,10 @@ class DistributedStep:
             self._in_flight.add(flat, ())
         return rebuild(flat)
 
-    def _build_static(self, treedef, statics, arrays, batch, array_sh):
-        layout = self.strategy.layout
-        fn = layout.adapt_step(self._fn)
+    def _trace_static(self, treedef, statics, arrays, batch):
+        """The step as a function of the state's arrays, traced once on ``batch``: it, whether it
+        returns a state, the state's array count, and the output's treedef and static leaves."""
+        fn = self.strategy.layout.adapt_step(self._fn)
         found: dict[str, Any] = {}
 
         def flat_fn(arrays_in, batch_in):
@@ -243,10 +444,16 @@ class DistributedStep:
                          n_state=len(split_static(out[0])[0]) if keeps else 0)
             return out_arrays
 
-        with replica.enter(layout.context(per_replica=False)), explaining_batch_errors(batch):
-            jax.eval_shape(flat_fn, arrays, batch)
-        keeps, n_state, out_def, out_statics = (found["keeps"], found["n_state"],
-                                                found["out_def"], found["statics"])
+        with (replica.enter(self.strategy.layout.context(per_replica=False)),
+              explaining_batch_errors(batch)):
+            shapes = jax.eval_shape(flat_fn, arrays, batch)
+        return (flat_fn, found["keeps"], found["n_state"], found["out_def"], found["statics"],
+                shapes)
+
+    def _build_static(self, treedef, statics, arrays, batch, array_sh):
+        layout = self.strategy.layout
+        flat_fn, keeps, n_state, out_def, out_statics, _ = self._trace_static(
+            treedef, statics, arrays, batch)
         n_out = out_def.num_leaves - len(out_statics)
         out_sh = (array_sh if keeps else []) + [layout.replicated] * (n_out - n_state)
         donates = self._donate and keeps
@@ -254,3 +461,53 @@ class DistributedStep:
                            out_shardings=out_sh, donate_argnums=(0,) if donates else ())
 
         return compiled, keeps, n_state, functools.partial(join_static, out_def, out_statics)
+
+    def _call_static_steps(self, state: PyTree, leaves: list, treedef: Any, batches: PyTree,
+                           mask_at: Any, count: np.int32):
+        """``steps`` for a state holding static leaves: the loop runs over its arrays only."""
+        layout = self.strategy.layout
+        arrays, statics = split_leaves(leaves)
+        key = ("static steps", treedef, tuple(statics),
+               tuple(StaticKey(v) for v in statics.values()), jax.tree.structure(batches),
+               mask_at, _shape_key(layout, arrays))
+        entry = self._compiled.get(key)
+        if entry is None:
+            targets = layout.leaf_targets(leaves, treedef, state)
+            array_sh = [t for i, t in enumerate(targets) if i not in statics]
+            flat_fn, keeps, n_state, out_def, out_statics, shapes = self._trace_static(
+                treedef, statics, arrays, self._one_of(batches))
+            extras = shapes[n_state:]
+            if keeps:
+                def pair(arrays_in, batch_in):
+                    out = flat_fn(arrays_in, batch_in)
+                    return out[:n_state], out[n_state:]
+            else:
+                pair = flat_fn
+            ctx = layout.context(per_replica=False)
+            out_sh = ((array_sh, [layout.replicated] * len(extras)) if keeps
+                      else [layout.replicated] * len(extras))
+            compiled = jax.jit(_loop(_traced_in(ctx, pair), keeps, extras),
+                               in_shardings=(array_sh, jax.tree.map(lambda x: x.sharding, batches),
+                                             layout.replicated),
+                               out_shardings=out_sh,
+                               donate_argnums=(0,) if self._donate and keeps else ())
+            entry = self._compiled[key] = (compiled, keeps, functools.partial(
+                join_static, out_def, out_statics))
+        compiled, keeps, rebuild = entry
+        out = compiled(arrays, batches, count)
+        if keeps:
+            new, extras = out
+            self._in_flight.add(extras, new)
+            return rebuild([*new, *extras])
+        self._in_flight.add(out, ())
+        return rebuild(out)
+
+
+def _place_each(tree: PyTree, sharding: NamedSharding) -> PyTree:
+    """Every leaf on ``sharding`` (kept when already there: what ``next_group`` made)."""
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, tree)

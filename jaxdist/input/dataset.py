@@ -4,10 +4,20 @@ Invariant: every example of an epoch is seen exactly once. A final partial batch
 the global batch size (so the step's shape, and therefore its compilation, never changes) with
 copies of real rows, and ``mask`` marks which rows are real. Copies rather than zeros, so that a
 padded row never produces NaN in a loss that a mask multiplies away (``NaN * 0`` is still NaN).
+
+Batches of in-memory arrays are placed on the devices ahead of use, several at a time: the rows of
+up to ``AHEAD_BATCHES`` batches (at most ``AHEAD_BYTES`` of them; one batch when a batch is larger)
+are gathered in one copy, sent to the devices in one transfer and split there into per-step
+batches in one dispatch. A transfer costs the host about as much for eight small batches as for
+one, so this takes most of the input's host work off a small model's steps. A stack of batches
+for several steps in one compiled call (``fit``'s ``steps_per_execution``) is made the same way,
+without the split.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
 import queue
@@ -24,11 +34,17 @@ from jaxdist.core._types import PyTree
 from jaxdist.input.local import (AutoShardPolicy, ShardableSource, StepSync, new_stream_name,
                                  pipelines, regroup, rows_of, synced)
 from jaxdist.core.layout import check_batch_leaves
+from jaxdist.core.step import stacked_sharding
 from jaxdist.core.values import Batch
 
-__all__ = ["Batch", "DistributedDataset", "DistributedIterator", "check_batch_leaves"]
+__all__ = ["Batch", "DistributedDataset", "DistributedIterator", "Group", "check_batch_leaves"]
 
 logger = logging.getLogger(__name__)
+
+AHEAD_BATCHES = 8
+"""The most batches of in-memory arrays placed on the devices ahead of use (made in one go)."""
+AHEAD_BYTES = 16 << 20
+"""...and the most bytes of them (global batch bytes; each device holds its share)."""
 
 
 class _Host(NamedTuple):
@@ -39,6 +55,31 @@ class _Host(NamedTuple):
     local: PyTree
     mask: np.ndarray
     num_real: int
+
+
+class _HostGroup(NamedTuple):
+    """Consecutive global batches on the host, stacked: this process's rows of each
+    ``(size, rows, ...)``, their masks ``(size, gb or rows)``, and the real rows in each of the
+    first ``len(num_real)`` of them (the rest only pad the stack to its usual size)."""
+
+    local: PyTree
+    mask: np.ndarray
+    num_real: tuple
+
+
+class Group(NamedTuple):
+    """Consecutive batches stacked on a new leading axis, for one compiled call of several steps.
+
+    Attributes:
+      batches: a ``Batch`` whose data leaves are ``(size, global_batch, ...)`` and whose mask is
+        ``(size, global_batch)``, placed ``P(None, data)`` (the mask replicated when it can be).
+      num_real: the real examples of each batch of the group, in order; ``len(num_real)`` batches
+        are real, the remaining entries up to ``size`` only pad an epoch's last, shorter group
+        (``DistributedStep.steps`` never runs them).
+    """
+
+    batches: Batch
+    num_real: tuple
 
 
 class DistributedDataset:
@@ -83,6 +124,10 @@ class DistributedDataset:
             warn_non_finite(data, what="dataset")
             self._arrays = jax.tree.map(np.asarray, data)
             self._iterable = None
+            row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
+                            for a in jax.tree.leaves(self._arrays))
+            self._ahead = int(max(1, min(AHEAD_BATCHES,
+                                         AHEAD_BYTES // max(1, row_bytes * global_batch_size))))
         elif isinstance(data, Iterable) or callable(data):
             if shuffle:
                 raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
@@ -128,6 +173,8 @@ class DistributedDataset:
         self._epoch = 0
         self._runs = itertools.count()
         self._full_mask = None  # the device mask of a batch without padding, made once
+        self._arrays = None
+        self._ahead = 1  # batches placed ahead of use at a time (in-memory arrays: see __init__)
 
     def __len__(self) -> int:
         """Batches per epoch (in-memory datasets only)."""
@@ -141,13 +188,34 @@ class DistributedDataset:
         return self._num_examples
 
     def __iter__(self) -> "DistributedIterator":
-        it = self.iterator(epoch=self._epoch)
+        return self._next_epoch()
+
+    def _next_epoch(self, **options: Any) -> "DistributedIterator":
+        """What ``iter()`` returns (the next epoch), with ``iterator``'s other options."""
+        it = self.iterator(epoch=self._epoch, **options)
         self._epoch += 1
         return it
 
-    def iterator(self, *, epoch: int = 0, position: int = 0) -> "DistributedIterator":
-        """An iterator over ``epoch`` starting after ``position`` batches."""
-        return DistributedIterator(self, epoch, position)
+    def iterator(self, *, epoch: int = 0, position: int = 0, group_size: int | None = None,
+                 steps: int | None = None) -> "DistributedIterator":
+        """An iterator over ``epoch`` starting after ``position`` batches.
+
+        Args:
+          epoch, position: where to start (``iterator(**it.state())`` resumes ``it``).
+          group_size: with ``K``, yield ``Group`` values instead of batches: ``K`` consecutive
+            batches stacked on a new leading axis (fewer real ones at the epoch's end), what one
+            compiled call of ``K`` steps takes (``fit(..., steps_per_execution=K)``).
+          steps: hand out at most this many batches (the epoch may end sooner); none is made
+            past them.
+
+        Raises:
+          ValueError: ``group_size`` or ``steps`` not an int >= 1.
+        """
+        for name, value in (("group_size", group_size), ("steps", steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        return DistributedIterator(self, epoch, position, group_size, steps)
 
     # --- producing host batches -------------------------------------------------------------------
     def _rows(self) -> slice:
@@ -215,6 +283,42 @@ class DistributedDataset:
         full_idx = np.resize(idx, gb) if real < gb else idx  # pads with copies of real rows
         return _Host(take(full_idx[rows]), np.arange(gb) < real, real)
 
+    def _host_groups(self, epoch: int, position: int, run: int, stop: threading.Event,
+                     size: int, steps: int | None) -> Iterator[_HostGroup]:
+        """``size`` batches at a time, stacked (the last group padded with copies of its last
+        batch, which are never used), ``steps`` batches at most; in-memory rows are gathered in
+        one copy per group."""
+        if self._arrays is None:
+            batches = self._host_batches(epoch, position, run, stop)
+            if steps is not None:
+                batches = _first(batches, steps)
+            try:
+                while group := list(itertools.islice(batches, size)):
+                    yield _stack(group, size)
+            finally:
+                batches.close()  # a generator's finally blocks (exchanges, files) run now
+            return
+        gb, rows, total = self.global_batch_size, self._rows(), len(self)
+        if steps is not None:
+            total = min(total, position + steps)
+        order = (np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
+                 if self.shuffle else np.arange(self._num_examples))
+        for first in range(position, total, size):
+            count = min(size, total - first)
+            idx = order[first * gb:(first + count) * gb]
+            real = len(idx) - (count - 1) * gb  # rows of the group's last batch
+            if real < gb:  # pads with copies of real rows, as _pad does
+                idx = np.concatenate([idx[:(count - 1) * gb], np.resize(idx[(count - 1) * gb:], gb)])
+            idx = idx.reshape(count, gb)
+            if count < size:
+                idx = np.concatenate([idx, np.repeat(idx[-1:], size - count, axis=0)])
+            local = idx[:, rows]
+            stacked = jax.tree.map(lambda a, shape=local.shape: a.reshape(shape + a.shape[1:]),
+                                   _take_rows(self._arrays, local.reshape(-1)))
+            mask = np.ones((size, gb), bool)
+            mask[count - 1, real:] = False
+            yield _HostGroup(stacked, mask, (gb,) * (count - 1) + (real,))
+
     def _to_device(self, host: _Host):
         layout, gb = self.strategy.layout, self.global_batch_size
         # A mask of the whole global batch is replicated (Layout.mask_sharding says why); a
@@ -227,20 +331,94 @@ class DistributedDataset:
         data, mask = self._put((layout.batch, mask_sharding), (host.local, host.mask))
         return Batch(data, mask), host.num_real
 
-    def _put(self, sharding, tree):
-        """Host rows of a global batch -> global arrays: one batched transfer of the whole tree in a
-        single process (cheaper than an array at a time), the process-local assembly otherwise.
-        ``sharding`` is one sharding or a pytree prefix of ``tree`` of them."""
+    def _group_to_device(self, host: _HostGroup) -> Group:
+        """A stack of batches placed for ``DistributedStep.steps``: ``P(None, data)``, the mask
+        replicated when this process knows the whole global batch's (as ``_to_device``)."""
+        layout = self.strategy.layout
+        on = stacked_sharding(layout.batch)
+        mask_on = layout.replicated if host.mask.shape[1] == self.global_batch_size else on
+        data, mask = self._put((on, mask_on), (host.local, host.mask), stacked=True)
+        return Group(Batch(data, mask), host.num_real)
+
+    def _chunk_to_device(self, host: _HostGroup) -> list:
+        """Batches placed ahead of use: the stack in one transfer, split on the devices into one
+        batch per step in one dispatch; ``[(Batch, num_real), ...]`` for the real batches."""
+        layout, gb = self.strategy.layout, self.global_batch_size
+        leaves, treedef = jax.tree.flatten(host.local)
+        on = stacked_sharding(layout.batch)
+        if _fast_put(layout.batch):
+            split = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)
+            parts = split(*leaves)  # numpy in: the compiled call's own transfer
+        else:
+            parts = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)(
+                *self._put(on, leaves, stacked=True))
+        out = []
+        for k, num_real in enumerate(host.num_real):
+            data = jax.tree.unflatten(treedef, parts[k])
+            if num_real == gb:
+                if self._full_mask is None:
+                    mask_at = layout.replicated if host.mask.shape[1] == gb else layout.batch
+                    self._full_mask = self._put(mask_at, np.ones(host.mask.shape[1], bool))
+                mask = self._full_mask
+            else:
+                mask = self._put(layout.replicated if host.mask.shape[1] == gb else layout.batch,
+                                 host.mask[k])
+            out.append((Batch(data, mask), num_real))
+        return out
+
+    def _put(self, sharding, tree, *, stacked: bool = False):
+        """Host rows of a global batch (or of a stack of them) -> global arrays: one batched
+        transfer of the whole tree in a single process (cheaper than an array at a time), the
+        process-local assembly otherwise. ``sharding`` is one sharding or a pytree prefix of
+        ``tree`` of them."""
         if jax.process_count() == 1:
+            shardings = jax.tree.broadcast(sharding, tree)
+            if all(_fast_put(s) for s in jax.tree.leaves(shardings)):
+                leaves, treedef = jax.tree.flatten(tree)
+                return jax.tree.unflatten(treedef, _transfer(tuple(jax.tree.leaves(shardings)))(
+                    *leaves))
             return jax.device_put(tree, sharding)
         gb = self.global_batch_size
+        lead = 2 if stacked else 1
 
         def assemble(local, where):
             if where.is_fully_replicated:  # every process holds the whole value
                 return jax.make_array_from_process_local_data(where, local, local.shape)
-            return jax.make_array_from_process_local_data(where, local, (gb,) + local.shape[1:])
+            shape = local.shape[:lead - 1] + (gb,) + local.shape[lead:]
+            return jax.make_array_from_process_local_data(where, local, shape)
 
         return jax.tree.map(assemble, tree, jax.tree.broadcast(sharding, tree))
+
+
+def _fast_put(sharding: jax.sharding.Sharding) -> bool:
+    """Whether host arrays reach ``sharding`` fastest as the arguments of a compiled call. On one
+    device that call's own transfer costs the host a few microseconds where ``jax.device_put``
+    costs tens per array; split over several devices the call takes a slower path than
+    ``device_put``."""
+    return len(sharding.device_set) == 1
+
+
+@functools.lru_cache(maxsize=64)
+def _transfer(shardings: tuple) -> Callable:
+    """Host arrays -> device arrays laid out as ``shardings``, as one compiled call."""
+    return jax.jit(lambda *xs: xs, in_shardings=shardings, out_shardings=shardings)
+
+
+@functools.lru_cache(maxsize=64)
+def _splitter(num_leaves: int, size: int, stacked: Any, each: Any) -> Callable:
+    """Stacked leaves ``(size, ...)`` -> ``size`` tuples of per-step leaves, in one dispatch."""
+    def split(*leaves):
+        return [tuple(leaf[k] for leaf in leaves) for k in range(size)]
+
+    return jax.jit(split, in_shardings=(stacked,) * num_leaves, out_shardings=each)
+
+
+def _stack(group: list, size: int) -> _HostGroup:
+    """Host batches of one group stacked, padded to ``size`` with copies of the last one."""
+    padded = group + [group[-1]] * (size - len(group))
+    local = jax.tree.map(lambda *leaves: np.stack(leaves), *[h.local for h in padded])
+    return _HostGroup(local, np.stack([h.mask for h in padded]),
+                      tuple(h.num_real for h in group))
 
 
 # XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and
@@ -266,6 +444,23 @@ def _take_rows(tree: PyTree, idx: np.ndarray) -> PyTree:
 
 
 _DONE = object()
+
+
+def _one(to_device: Callable, host: _Host) -> list:
+    return [to_device(host)]
+
+
+def _first(items: Iterator, n: int) -> Iterator:
+    """The first ``n`` of ``items``; closing it closes ``items`` (a generator's cleanup runs)."""
+    try:
+        for k, item in enumerate(items):
+            yield item
+            if k + 1 == n:
+                return
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 class _Producer:
@@ -335,7 +530,7 @@ class _Inline:
 
 
 class DistributedIterator:
-    """An epoch of ``Batch`` values, prepared ``prefetch`` batches ahead on a background thread
+    """An epoch of ``Batch`` values, prepared ``prefetch`` items ahead on a background thread
     (with ``prefetch=0``, made on the caller's thread when asked for).
 
     ``state()`` is ``{"epoch": e, "position": k}`` (batches handed out so far), enough to resume
@@ -343,23 +538,46 @@ class DistributedIterator:
     real (unpadded) examples in the batch most recently returned; ``stall_s`` the seconds ``next()``
     has waited for a batch that was not ready yet (the input pipeline's stall). ``close()`` (or
     leaving a ``with`` block, or dropping the iterator) stops the background thread.
+
+    Batches of in-memory arrays are made and placed on the devices up to ``AHEAD_BATCHES`` at a
+    time (at most ``AHEAD_BYTES``), so up to that many wait on the devices ahead of use. Made
+    with ``group_size=K``, it yields ``Group`` values (``K`` batches stacked) and
+    ``last_num_real`` is the tuple of the group's real examples per batch.
     """
 
-    def __init__(self, dataset: DistributedDataset, epoch: int, position: int):
+    def __init__(self, dataset: DistributedDataset, epoch: int, position: int,
+                 group_size: int | None = None, steps: int | None = None):
         self.epoch, self.position = epoch, position
-        self.last_num_real = 0
+        self.last_num_real: Any = 0
         self.stall_s = 0.0  # time next() spent waiting for (or making) a batch: the input's stall
+        self._grouped = group_size is not None
+        self._ready: collections.deque = collections.deque()  # placed ahead, not handed out yet
         # The run number is taken here, on the caller's thread, so that processes creating
         # iterators in the same order name the same exchange.
         stop = threading.Event()
-        batches = dataset._host_batches(epoch, position, next(dataset._runs), stop)
-        self._producer = (_Producer(batches, dataset._to_device, dataset._prefetch, stop)
-                          if dataset._prefetch else _Inline(batches, dataset._to_device, stop))
+        run = next(dataset._runs)
+        if self._grouped:
+            items = dataset._host_groups(epoch, position, run, stop, group_size, steps)
+            make = dataset._group_to_device
+        elif dataset._ahead > 1:
+            items = dataset._host_groups(epoch, position, run, stop, dataset._ahead, steps)
+            make = dataset._chunk_to_device
+        else:
+            items = dataset._host_batches(epoch, position, run, stop)
+            if steps is not None:
+                items = _first(items, steps)
+            make = functools.partial(_one, dataset._to_device)
+        self._producer = (_Producer(items, make, dataset._prefetch, stop)
+                          if dataset._prefetch else _Inline(items, make, stop))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
+        if self._ready:
+            batch, self.last_num_real = self._ready.popleft()
+            self.position += 1
+            return batch
         producer = self._producer
         if producer.stop.is_set():
             raise StopIteration
@@ -375,7 +593,12 @@ class DistributedIterator:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        batch, self.last_num_real = item
+        if self._grouped:
+            self.last_num_real = item.num_real
+            self.position += len(item.num_real)
+            return item
+        self._ready.extend(item[1:])
+        batch, self.last_num_real = item[0]
         self.position += 1
         return batch
 
@@ -404,6 +627,7 @@ class DistributedIterator:
         return {"epoch": self.epoch, "position": self.position}
 
     def close(self) -> None:
+        self._ready.clear()  # batches placed ahead: their device buffers are freed
         self._producer.shutdown()
 
     def __enter__(self) -> "DistributedIterator":

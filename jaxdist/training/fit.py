@@ -9,6 +9,15 @@ Two properties matter more than features here:
   value weights them by those counts, so a padded final batch is neither dropped nor over-counted.
   Metrics are read a few steps at a time while the newer half of the ``max_in_flight`` window stays
   in flight; the newest step is never waited on.
+
+``steps_per_execution=K`` (Keras's name and meaning) runs ``K`` steps per compiled call: the
+epoch's batches are stacked ``K`` at a time and a loop on the device runs the step on each
+(``DistributedStep.steps``), so the host dispatches, transfers and reads back once per ``K`` steps.
+The numbers are the same as with ``K=1``: an epoch's last group of fewer than ``K`` batches runs
+exactly those (no padded step touches the state). As in Keras, per-batch callbacks run once per
+call, at each ``K`` boundary, with ``TrainInfo.step`` the step the call ended on and
+``TrainInfo.call_steps`` the steps it ran; so checkpoints, backups, a preemption's save and a stop
+asked for by the elastic launcher happen at those boundaries.
 """
 
 from __future__ import annotations
@@ -42,27 +51,44 @@ class History:
 
 
 class _Meter:
-    """Count-weighted running means of step metrics, read back a few steps late."""
+    """Count-weighted running means of step metrics, read back a few calls late.
+
+    ``push`` takes one call's metrics and its batch's real-example count, or (a call of several
+    steps) the metrics stacked on a leading axis and a tuple of counts, one per step run. Either
+    way the sums are accumulated step by step in order, so the means are the same.
+    """
 
     def __init__(self, max_in_flight: int):
         self._pending: collections.deque = collections.deque()
         self._max = max_in_flight
         self._sums: dict[str, float] = {}
         self._count = 0
+        self.reads = 0  # how many times values were read back (the logs changed)
 
-    def push(self, metrics: PyTree, num_real: int) -> None:
+    def push(self, metrics: PyTree, num_real: int | tuple) -> None:
         self._pending.append((metrics, num_real))
         if len(self._pending) > self._max:
-            # The older steps in one transfer (one wait, not one per step); the newer half of the
+            # The older calls in one transfer (one wait, not one per call); the newer half of the
             # window stays in flight, so the devices never run dry while the host reads.
             self._read(len(self._pending) - (self._max + 1) // 2)
 
     def _read(self, count: int) -> None:
+        if not count:
+            return
         batch = [self._pending.popleft() for _ in range(count)]
+        sums = self._sums
         for metrics, (_, n) in zip(jax.device_get([m for m, _ in batch]), batch):
-            for k, v in _flatten_metrics(metrics).items():
-                self._sums[k] = self._sums.get(k, 0.0) + float(v) * n
+            flat = _flatten_metrics(metrics)
+            if isinstance(n, tuple):  # a call of len(n) steps: row i is step i's
+                for i, ni in enumerate(n):
+                    for k, v in flat.items():
+                        sums[k] = sums.get(k, 0.0) + float(v[i]) * ni
+                    self._count += ni
+                continue
+            for k, v in flat.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n
             self._count += n
+        self.reads += 1
 
     def drain(self) -> dict[str, float]:
         self._read(len(self._pending))
@@ -85,11 +111,33 @@ def _flatten_metrics(metrics: PyTree) -> dict[str, Any]:
     return {jax.tree_util.keystr(p) or "value": v for p, v in leaves}
 
 
-def _check_scalars(flat: dict[str, Any]) -> None:
+def _check_scalars(flat: dict[str, Any], stacked: bool = False) -> None:
     for k, v in flat.items():
-        if np.ndim(v) != 0:
-            raise ValueError(f"metric {k!r} has shape {np.shape(v)}; a step must return scalar "
+        shape = np.shape(v)[1:] if stacked else np.shape(v)
+        if shape != ():
+            raise ValueError(f"metric {k!r} has shape {shape}; a step must return scalar "
                              "metrics (means over the real examples of the batch)")
+
+
+def check_steps_per_execution(k: Any) -> int:
+    """``k`` as an int >= 1, or a ValueError naming it (``fit``'s and the CLI's rule)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"steps_per_execution={k!r}; expected an int >= 1 (steps run per "
+                         "compiled call; 1 runs one step per call)")
+    return int(k)
+
+
+def _grouped_step(step: Callable, dataset: Any, k: int, what: str) -> None:
+    """Refuses ``steps_per_execution > 1`` where it cannot run, saying why."""
+    if not hasattr(step, "steps"):
+        raise ValueError(
+            f"{what}(steps_per_execution={k}) needs a step compiled by strategy.step / "
+            f"@jaxdist.mirrored (or a plain function), got {type(step).__name__}, which runs its "
+            "steps elsewhere; use steps_per_execution=1")
+    if not isinstance(dataset, DistributedDataset):
+        raise ValueError(
+            f"{what}(steps_per_execution={k}) needs data from strategy.distribute (or raw arrays "
+            f"with batch_size=), got {type(dataset).__name__}; use steps_per_execution=1")
 
 
 def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed: int,
@@ -118,7 +166,8 @@ def _strategy_of(step_fn: Callable, data: Any):
 
 
 def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
-             steps: int | None = None, max_in_flight: int = 4) -> dict[str, float]:
+             steps: int | None = None, max_in_flight: int = 4,
+             steps_per_execution: int = 1) -> dict[str, float]:
     """Runs ``eval_step(state, batch) -> metrics`` over ``data``; returns count-weighted means.
 
     Args:
@@ -126,23 +175,43 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
         metrics averaged over the batch's real examples (use ``batch.mask``).
       state: the state to evaluate (not consumed).
       data: a ``DistributedDataset``, or raw data with ``batch_size``.
+      steps: stop after this many batches.
+      max_in_flight: calls dispatched before the oldest one's metrics are read back.
+      steps_per_execution: batches evaluated per compiled call (as ``fit``'s); same numbers.
 
     Returns:
       ``{name: mean over all real examples}``.
+
+    Raises:
+      ValueError: a step returning no metrics, or a bad ``steps_per_execution``.
+
+    >>> import jax.numpy as jnp, numpy as np, jaxdist
+    >>> s = jaxdist.MirroredStrategy()
+    >>> mean = lambda w, b: {"x": jaxdist.compute_average_loss(b.data * w, b.mask)}
+    >>> evaluate(mean, jnp.float32(2.0), s.distribute(np.arange(20.0), 8), steps_per_execution=2)
+    {'x': 19.0}
     """
+    group = check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(eval_step, data)
     step = _as_step(eval_step, strategy, donate=False)
     dataset = _as_dataset(data, strategy, batch_size, False, 0, "evaluate data")
+    if group > 1:
+        _grouped_step(step, dataset, group, "evaluate")
     meter = _Meter(max_in_flight)
-    with iter(dataset) as it:
-        for k, batch in enumerate(it):
-            if steps is not None and k >= steps:
+    # The next epoch, as iter(dataset): a shuffled dataset visits the order K=1 would.
+    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    with run as it:
+        for k, item in enumerate(it):
+            if group == 1 and steps is not None and k >= steps:
                 break
-            metrics = step(state, batch)
+            if group > 1:
+                metrics, counts = step.steps(state, item.batches, len(item.num_real)), item.num_real
+            else:
+                metrics, counts = step(state, item), it.last_num_real
             if k == 0 and not jax.tree.leaves(metrics):
                 raise ValueError("eval_step returned no metrics; it must return a pytree of scalars "
                                  "such as {'loss': ..., 'accuracy': ...}")
-            meter.push(metrics, it.last_num_real)
+            meter.push(metrics, counts)
     return meter.drain()
 
 
@@ -158,7 +227,8 @@ def _to_host(x: Any) -> np.ndarray:
 
 
 def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
-            steps: int | None = None, max_in_flight: int = 4) -> PyTree:
+            steps: int | None = None, max_in_flight: int = 4,
+            steps_per_execution: int = 1) -> PyTree:
     """Runs ``predict_step(state, batch) -> predictions`` over ``data``; returns them in input order.
 
     Every process calls it (under a multi-process strategy) and every process gets all the
@@ -171,45 +241,63 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
       state: the state to predict with (not consumed).
       data: a ``DistributedDataset`` built with ``shuffle=False``, or raw data with ``batch_size``.
       steps: stop after this many batches.
-      max_in_flight: batches dispatched before the oldest one is read back.
+      max_in_flight: calls dispatched before the oldest one is read back.
+      steps_per_execution: batches predicted per compiled call (as ``fit``'s); same predictions.
 
     Returns:
       The predictions' pytree with numpy leaves of leading size = the number of examples.
 
     Raises:
-      ValueError: a shuffled dataset (the order would not be the input's), or outputs without the
-        batch axis.
+      ValueError: a shuffled dataset (the order would not be the input's), outputs without the
+        batch axis, or a bad ``steps_per_execution``.
 
     >>> import jax, jax.numpy as jnp, numpy as np, jaxdist
     >>> s = jaxdist.MirroredStrategy()
     >>> out = predict(lambda w, b: b.data * w, jnp.float32(2.0), s.distribute(np.arange(10.0), 8))
     >>> out.tolist()
     [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0]
+    >>> predict(lambda w, b: b.data * w, jnp.float32(2.0), s.distribute(np.arange(20.0), 8),
+    ...         steps_per_execution=2).tolist() == (2 * np.arange(20.0)).tolist()
+    True
     """
+    group = check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(predict_step, data)
     step = _as_step(predict_step, strategy, donate=False)
     dataset = _as_dataset(data, strategy, batch_size, False, 0, "predict data")
     if dataset.shuffle:
         raise ValueError("predict got a dataset built with shuffle=True, so the predictions could not "
                          "be in input order; build it with strategy.distribute(data, batch_size)")
+    if group > 1:
+        _grouped_step(step, dataset, group, "predict")
     gb = dataset.global_batch_size
     pending: collections.deque = collections.deque()
     chunks: list = []
 
     def read_oldest():
-        out, mask = pending.popleft()
+        out, mask, count = pending.popleft()
         keep = _to_host(mask)
         leaves = jax.tree.leaves(out)
-        if any(np.ndim(v) == 0 or np.shape(v)[0] != gb for v in leaves):
-            raise ValueError(f"predict_step returned shapes {[np.shape(v) for v in leaves]}; every "
+        lead = 0 if count is None else 1  # a call of several steps: axis 0 is the step
+        if any(np.ndim(v) <= lead or np.shape(v)[lead] != gb for v in leaves):
+            shapes = [np.shape(v)[lead:] for v in leaves]
+            raise ValueError(f"predict_step returned shapes {shapes}; every "
                              f"output needs the batch as its leading axis ({gb} rows)")
-        chunks.append(jax.tree.map(lambda v: _to_host(v)[keep], out))
+        if count is None:
+            chunks.append(jax.tree.map(lambda v: _to_host(v)[keep], out))
+            return
+        host = jax.tree.map(_to_host, out)
+        chunks.extend(jax.tree.map(lambda v, i=i: v[i][keep[i]], host) for i in range(count))
 
-    with iter(dataset) as it:
-        for k, batch in enumerate(it):
-            if steps is not None and k >= steps:
-                break
-            pending.append((step(state, batch), batch.mask))
+    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    with run as it:
+        for k, item in enumerate(it):
+            if group > 1:
+                count = len(item.num_real)
+                pending.append((step.steps(state, item.batches, count), item.batches.mask, count))
+            else:
+                if steps is not None and k >= steps:
+                    break
+                pending.append((step(state, item), item.mask, None))
             while len(pending) > max_in_flight:
                 read_oldest()
     while pending:
@@ -240,6 +328,45 @@ def _warn_nonfinite(info: TrainInfo) -> bool:
     return True
 
 
+def _train_epoch(step: Callable, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
+                 steps_per_epoch: int | None, max_in_flight: int, warned: bool) -> bool:
+    """One epoch's calls (one step each, or ``group`` with ``steps_per_execution``): the state,
+    the metrics read a few calls late, the callbacks once per call. Returns ``warned``."""
+    first, calls, reads = True, 0, -1
+    logs: dict[str, float] = {}
+    for item in it:
+        if group == 1:
+            count, num_real = 1, it.last_num_real
+            info.state, metrics = step(info.state, item)
+        else:
+            count, num_real = len(item.num_real), item.num_real
+            info.state, metrics = step.steps(info.state, item.batches, count)
+        if first:
+            _check_scalars(_flatten_metrics(metrics), stacked=group > 1)
+            has_metrics, first = bool(jax.tree.leaves(metrics)), False
+        meter.push(metrics, num_real)
+        calls += 1
+        info.step += count
+        info.epoch_steps += count
+        info.call_steps = count
+        info.position = it.position
+        if not has_metrics and calls % max_in_flight == 0:
+            # Nothing to read back, so nothing else would bound the run-ahead.
+            jax.block_until_ready(info.state)
+        changed = meter.reads != reads
+        if changed:  # new values were read back; otherwise the logs are what they were
+            reads, logs = meter.reads, meter.result()
+        info.logs = dict(logs)
+        for cb in cbs:
+            cb.on_train_batch_end(info)
+        if changed:
+            warned = warned or _warn_nonfinite(info)
+        if info.stop_training or (steps_per_epoch is not None
+                                  and info.epoch_steps >= steps_per_epoch):
+            break
+    return warned
+
+
 def _num_examples(dataset: Any) -> Any:
     n = getattr(dataset, "num_examples", None)
     return n if isinstance(n, int) else "its"
@@ -249,7 +376,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
-        initial_epoch: int = 0, max_in_flight: int = 4) -> History:
+        initial_epoch: int = 0, max_in_flight: int = 4,
+        steps_per_execution: int = 1) -> History:
     """Trains ``state`` with ``train_step(state, batch) -> (state, metrics)`` for ``epochs``.
 
     Args:
@@ -262,23 +390,51 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       eval_step, eval_data: evaluated after each epoch; metrics are logged as ``val_<name>``.
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
-      max_in_flight: most steps dispatched but not finished (see the module docstring).
+      max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
+        with ``steps_per_execution=K`` up to ``max_in_flight * K`` steps.
+      steps_per_execution: steps run per compiled call (Keras's name). ``K > 1`` stacks ``K``
+        batches and loops over them on the device: the host dispatches, transfers and reads
+        metrics back once per ``K`` steps, which speeds up small models whose steps take less
+        time than their host work. The parameters and metrics are those of ``K=1`` (to float
+        rounding; an epoch's last, shorter group runs only its real batches). Per-batch callbacks
+        run once per call, after its ``K`` steps (``TrainInfo.step`` is the last of them,
+        ``TrainInfo.call_steps`` their count), so checkpoints, backups and preemption saves
+        happen at ``K`` boundaries. Memory: ``K`` batches per call on the devices, and the
+        metrics of ``K`` steps. One compilation (for the stack of ``K``; a shorter group runs in
+        the same program).
 
     Returns:
       ``History`` with ``history`` (per-epoch metrics), ``state`` (trained) and ``epochs``.
 
     Raises:
       ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
-        batch, or a step returning non-scalar metrics.
+        batch, a step returning non-scalar metrics, or ``steps_per_execution`` not an int >= 1
+        (or > 1 with a step or data it cannot group: a parameter-server step, say).
+
+    >>> import jax.numpy as jnp, numpy as np, jaxdist
+    >>> s = jaxdist.MirroredStrategy()
+    >>> @jaxdist.mirrored
+    ... def step(w, batch):
+    ...     loss, g = jax.value_and_grad(
+    ...         lambda w: jaxdist.compute_average_loss((batch.data * w - 1.0) ** 2, batch.mask))(w)
+    ...     return w - 0.1 * g, {"loss": loss}
+    >>> data = s.distribute(np.linspace(0.0, 1.0, 20, dtype=np.float32), 8)
+    >>> one = fit(step, jnp.float32(0.0), data, epochs=3, verbose=0)
+    >>> nine = fit(step, jnp.float32(0.0), data, epochs=3, verbose=0, steps_per_execution=9)
+    >>> bool(jnp.allclose(one.state, nine.state)), one.history["loss"] == nine.history["loss"]
+    (True, True)
 
     Warns:
       RuntimeWarning: once, when a metric read back becomes NaN or Inf and no callback stops
         training (``jaxdist.callbacks.TerminateOnNaN`` does).
     """
     check_max_in_flight(max_in_flight)
+    group = check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(train_step, data)
     step = _as_step(train_step, strategy, donate=True)
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
+    if group > 1:
+        _grouped_step(step, dataset, group, "fit")
     if eval_step is not None and eval_data is not None:
         eval_step = _as_step(eval_step, strategy, donate=False)
         eval_data = _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data")
@@ -300,7 +456,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         raise ValueError(_EMPTY.format(n=_num_examples(dataset),
                                        gb=dataset.global_batch_size))
     info = TrainInfo(epoch=initial_epoch, state=state, steps_per_epoch=planned, epochs=epochs,
-                     global_batch_size=dataset.global_batch_size, strategy=strategy)
+                     global_batch_size=dataset.global_batch_size, strategy=strategy,
+                     steps_per_execution=group)
     history: dict[str, list[float]] = collections.defaultdict(list)
     done_epochs: list[int] = []
     warned = False  # about NaN/Inf metrics, once per fit
@@ -326,31 +483,19 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
             for cb in cbs:
                 cb.on_epoch_begin(info)
             meter = _Meter(max_in_flight)
-            with dataset.iterator(epoch=epoch, position=position) as it:
+            options = {} if group == 1 else {"group_size": group}
+            if steps_per_epoch is not None and isinstance(dataset, DistributedDataset):
+                options["steps"] = max(1, steps_per_epoch - position)  # none made past the last
+            with dataset.iterator(epoch=epoch, position=position, **options) as it:
                 info.iterator = it
-                for batch in it:
-                    info.state, metrics = step(info.state, batch)
-                    if info.epoch_steps == position:
-                        _check_scalars(_flatten_metrics(metrics))
-                    meter.push(metrics, it.last_num_real)
-                    info.step += 1
-                    info.epoch_steps += 1
-                    info.position = it.position
-                    if not jax.tree.leaves(metrics) and info.epoch_steps % max_in_flight == 0:
-                        # Nothing to read back, so nothing else would bound the run-ahead.
-                        jax.block_until_ready(info.state)
-                    info.logs = meter.result()
-                    for cb in cbs:
-                        cb.on_train_batch_end(info)
-                    warned = warned or _warn_nonfinite(info)
-                    if info.stop_training or (steps_per_epoch is not None
-                                              and info.epoch_steps >= steps_per_epoch):
-                        break
+                warned = _train_epoch(step, it, info, meter, cbs, group, steps_per_epoch,
+                                      max_in_flight, warned)
             if info.epoch_steps == 0 and position == 0:  # a dataset without a length
                 raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
             info.logs = meter.drain()
             if eval_step is not None and eval_data is not None:
-                val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight)
+                val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight,
+                               steps_per_execution=group)
                 info.logs.update({f"val_{k}": v for k, v in val.items()})
             for cb in cbs:
                 cb.on_epoch_end(info)
