@@ -154,7 +154,8 @@ class ModelCheckpoint(Callback):
 
     def _candidate(self, info: TrainInfo, epoch_done: bool) -> SaveCandidate:
         return SaveCandidate(step=info.step, epoch=info.epoch, epoch_end=epoch_done,
-                             logs={k: float(v) for k, v in info.logs.items()})
+                             logs={k: float(v) for k, v in info.logs.items()},
+                             steps=info.call_steps)
 
     def _save(self, info: TrainInfo, *, epoch_done: bool = False) -> None:
         if info.step == self._last_saved:
@@ -257,8 +258,10 @@ class BackupAndRestore(ModelCheckpoint):
         self.memory.save(info.step, info.state,
                          info.iterator.state() if info.iterator is not None else None)
         stop = self.memory.stop_step()
+        # With steps_per_execution=K a call ends every K steps: stop at the first end at or past
+        # the step asked for (every process ends its calls at the same steps).
         if stop is not None and info.step >= stop:
-            if info.step > stop:
+            if info.step - info.call_steps >= stop:
                 raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
                                    f"{info.step}; handled as a failure (resumes from memory)")
             # Every process stops here (the elastic agents agreed on the step): the job re-forms.
@@ -267,7 +270,9 @@ class BackupAndRestore(ModelCheckpoint):
             self._save(info)
             self.manager.wait_until_finished()
             raise TrainingPreempted(0)
-        if self._notice.reached(info.step):
+        # Every step of the call is offered, in order: JAX's preemption sync point is one step.
+        if any([self._notice.reached(s)
+                for s in range(info.step - info.call_steps + 1, info.step + 1)]):
             self._save(info)
             self.manager.wait_until_finished()
             raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()

@@ -36,8 +36,9 @@ class ProgressBar(Callback):
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
         if self._bar is not None:
-            self._bar.update(1)
-            if info.epoch_steps % 8 == 0:
+            self._bar.update(info.call_steps)
+            # Every 8th step (with steps_per_execution, the call that completes it).
+            if info.epoch_steps // 8 > (info.epoch_steps - info.call_steps) // 8:
                 self._bar.set_postfix(self._postfix(info), refresh=False)
 
     def on_epoch_end(self, info: TrainInfo) -> None:
@@ -56,7 +57,8 @@ class TensorBoard(Callback):
 
     Epoch logs go to tags ``epoch/<name>`` at step = epoch; with ``update_freq=N`` the running logs
     also go to ``batch/<name>`` every N optimizer steps at the global step (those logs lag the
-    newest step by a few steps, as ``fit`` reads metrics late). Uses ``tensorboardX``.
+    newest step by a few steps, as ``fit`` reads metrics late; with ``steps_per_execution=K``,
+    at the first call's end at or past every N-th step). Uses ``tensorboardX``.
 
     Args:
       log_dir: directory for the event files (created if missing).
@@ -100,7 +102,9 @@ class TensorBoard(Callback):
         self._open()
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
-        if isinstance(self.update_freq, int) and info.step % self.update_freq == 0 and info.logs:
+        f = self.update_freq
+        # A multiple of N among the steps this call completed (one, or steps_per_execution).
+        if isinstance(f, int) and info.step // f > (info.step - info.call_steps) // f and info.logs:
             self._write("batch", info.logs, info.step)
 
     def on_epoch_end(self, info: TrainInfo) -> None:

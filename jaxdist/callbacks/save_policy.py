@@ -30,12 +30,16 @@ class SaveCandidate:
       epoch: the current epoch (0-based).
       epoch_end: True at an epoch end (``val_*`` metrics exist only there), False after a step.
       logs: the metrics known at that point.
+      steps: the steps since the previous point a step-based policy saw: 1, or with ``fit``'s
+        ``steps_per_execution=K`` the ``K`` steps (fewer at an epoch's end) of one compiled call,
+        after which alone training can save.
     """
 
     step: int
     epoch: int
     epoch_end: bool
     logs: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    steps: int = 1
 
 
 @runtime_checkable
@@ -49,7 +53,12 @@ class SavePolicy(Protocol):
 class EveryNSteps:
     """Saves after every ``n``-th optimizer step.
 
+    With ``fit``'s ``steps_per_execution=K`` training can save only after a call's ``K`` steps, so
+    it saves at the first such boundary at or past each multiple of ``n`` (Keras does the same).
+
     >>> EveryNSteps(5).should_save(SaveCandidate(10, 0, False), [])
+    True
+    >>> EveryNSteps(5).should_save(SaveCandidate(12, 0, False, steps=4), [])  # steps 9..12
     True
     """
 
@@ -60,7 +69,9 @@ class EveryNSteps:
             raise ValueError(f"EveryNSteps(n={self.n}): n must be >= 1")
 
     def should_save(self, candidate: SaveCandidate, previous: Sequence[SaveCandidate]) -> bool:
-        return not candidate.epoch_end and candidate.step % self.n == 0
+        # A multiple of n among the steps (step - steps, step] this point completed.
+        return not candidate.epoch_end and (
+            candidate.step // self.n > (candidate.step - candidate.steps) // self.n)
 
 
 @dataclasses.dataclass(frozen=True)
