@@ -10,13 +10,22 @@ per-replica between steps and the loss all-reduced inside the step; `readme` is 
 exactly: the loss left per replica and `strategy.reduce("sum", loss)` after every `run`. `masked` is the global view of the step that `distribute`
 batches need (`compute_average_loss` over `batch.mask`) on pre-placed batches: the step's own cost,
 without the input pipeline. The `distribute` loop and `fit` take their batches from
-`strategy.distribute` (host arrays -> device; for in-memory arrays each batch is made on the loop's
+`strategy.distribute` (host arrays -> device; for in-memory arrays the batches are made on the loop's
 thread by default, `distribute_thread` makes them on a prefetch thread) instead of pre-placed ones; `fit`
-also reads metrics and runs its callbacks: they are what users run. `hand_fed` is the hand-written
+also reads metrics and runs its callbacks: they are what users run. `fit_k` is `fit` with
+`steps_per_execution=K` (`--spe`, default 9): K steps per compiled call. `hand_fed` is the hand-written
 step fed the same batches from host arrays with `jax.device_put` each step: the input cost a
 hand-written loop pays too; the fed loops are also printed against it.
 
+`--model tiny` is the dispatch-bound case: an MLP 64-32-10 on the digits, batch 32, 1 device by
+default, where the host's work per step decides the speed (a small model on a fast accelerator):
+
     python benchmarks/overhead.py [--devices 8] [--reps 24] [--steps 64] [--loops global fit ...]
+    python benchmarks/overhead.py --model tiny [--reps 24] [--steps 72]
+
+The summary ends with the table of host CPU per step and throughput against the hand-written loop,
+and the ratios the targets name: fit and distribute / hand_fed CPU (<= 1.25), per_replica and readme
+/ global CPU (<= 1.5), fit_k / fit steps/s (>= 2 on the tiny model at K=9).
 """
 
 from __future__ import annotations
@@ -28,16 +37,24 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--model", choices=("mlp", "tiny"), default="mlp",
+                    help="mlp: 784-256-128-10 on synthetic data; tiny: 64-32-10 on the digits "
+                         "(dispatch-bound: the host's work per step decides the speed)")
+    ap.add_argument("--devices", type=int, default=None, help="default: 8 (mlp), 1 (tiny)")
     ap.add_argument("--reps", type=int, default=24,
                     help="interleaved repetitions (24: medians stable to about +-2%% here)")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=None, help="default: 64 (mlp), 72 (tiny)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 512 (mlp), 32 (tiny)")
+    ap.add_argument("--spe", type=int, default=9, help="fit_k's steps_per_execution")
     ap.add_argument("--loops", nargs="+",
                     default=["hand", "global", "per_replica", "readme", "masked", "hand_fed", "distribute",
-                             "fit"],
+                             "fit", "fit_k"],
                     help="which loops to time (hand is the baseline and always runs)")
     args = ap.parse_args()
+    tiny = args.model == "tiny"
+    args.devices = args.devices or (1 if tiny else 8)
+    args.steps = args.steps or (72 if tiny else 64)
+    args.batch = args.batch or (32 if tiny else 512)
     args.loops = ["hand", *[n for n in args.loops if n != "hand"]]
 
     import jax
@@ -52,7 +69,13 @@ def main() -> None:
     from jaxdist import models
 
     devices = jax.devices()[:args.devices]
-    x, y = jaxdist.datasets.synthetic(args.batch * 4, shape=(784,))
+    if tiny:
+        (x, y), _ = jaxdist.datasets.digits()
+        x, y = x[:args.batch * 4].reshape(args.batch * 4, -1), y[:args.batch * 4]
+        hidden, model_name = (32,), "MLP 64-32-10 on the digits"
+    else:
+        x, y = jaxdist.datasets.synthetic(args.batch * 4, shape=(784,))
+        hidden, model_name = (256, 128), "MLP 784-256-128-10"
 
     def train_step(state, batch):
         xb, yb = batch
@@ -100,7 +123,7 @@ def main() -> None:
         return state, strategy.reduce("sum", loss)
 
     def make_state():
-        return models.create_train_state(models.MLP(hidden=(256, 128)), x[:1])
+        return models.create_train_state(models.MLP(hidden=hidden), x[:1])
 
     def masked_step(state, batch):  # the same step over a jaxdist.Batch (what distribute yields)
         (xb, yb), mask = batch
@@ -133,10 +156,13 @@ def main() -> None:
     def distribute_thread(state, steps):  # batches made ahead on a prefetch thread (prefetch=2)
         return distribute_fed(state, steps, thread_dataset)
 
-    def fit(state, steps):
+    def fit(state, steps, k=1):
         history = jaxdist.fit(ours_masked, state, dataset, epochs=1, steps_per_epoch=steps,
-                              verbose=0)
+                              verbose=0, **({"steps_per_execution": k} if k > 1 else {}))
         return history.state, history.state.step
+
+    def fit_k(state, steps):  # K steps per compiled call
+        return fit(state, steps, args.spe)
 
     def hand_fed(state, steps):  # a hand-written loop that feeds host arrays, as experts write it
         for i in range(steps):
@@ -165,13 +191,14 @@ def main() -> None:
               "per_replica": make_state(), "readme": make_state(), "masked": strategy.put(make_state()),
               "distribute": strategy.put(make_state()),
               "distribute_thread": strategy.put(make_state()),
-              "fit": strategy.put(make_state())}
+              "fit": strategy.put(make_state()), "fit_k": strategy.put(make_state())}
     loops = {"hand": loop_over(hand, hand_batches, sync_every=8), "hand_fed": hand_fed,
              "global": loop_over(ours, our_batches),
              "per_replica": loop_over(per_replica, our_batches),
              "readme": loop_over(readme, our_batches),
              "masked": loop_over(ours_masked, masked_batches),
-             "distribute": distribute_fed, "distribute_thread": distribute_thread, "fit": fit}
+             "distribute": distribute_fed, "distribute_thread": distribute_thread, "fit": fit,
+             "fit_k": fit_k}
     names = [n for n in loops if n in args.loops]
 
     def timed(name):
@@ -201,7 +228,7 @@ def main() -> None:
         print(f"rep {r} ({' > '.join(order)}): " + "   ".join(
             f"{n} {speed[n]:7.1f} steps/s" + ("" if n == "hand" else f" ({speed[n] / speed['hand']:.3f})")
             for n in names))
-    print(f"\n{len(devices)} devices, MLP 784-256-128-10, global batch {args.batch}, "
+    print(f"\n{len(devices)} devices, {model_name}, global batch {args.batch}, "
           f"{args.steps} steps x {args.reps} interleaved reps (jax {jax.__version__})")
     for n in names:
         print(f"median throughput {n:12s} {statistics.median(rows[n]) * args.batch:10,.0f} ex/s")
@@ -228,6 +255,22 @@ def main() -> None:
         print(f"{n} / hand-written CPU per step: median {statistics.median(ratios):.3f} "
               f"({statistics.median(cpu[n]) * 1e3:.2f} vs {statistics.median(cpu['hand']) * 1e3:.2f} "
               "ms of CPU per step)")
+    # The issue's table: what a step costs the host, and what the devices get done.
+    print(f"\n| loop | host CPU per step | throughput vs hand-written |\n|---|---|---|")
+    for n in names:
+        ratio = statistics.median([o / h for o, h in zip(rows[n], rows["hand"])])
+        print(f"| {n} | {statistics.median(cpu[n]) * 1e3:.3f} ms | {ratio:.2f} |")
+    for a, b, target in (("fit", "hand_fed", "<= 1.25"), ("distribute", "hand_fed", "<= 1.25"),
+                         ("per_replica", "global", "<= 1.5"), ("readme", "global", "<= 1.5")):
+        if a in names and b in names:
+            ratios = [ca / cb for ca, cb in zip(cpu[a], cpu[b])]
+            print(f"CPU per step {a} / {b}: median {statistics.median(ratios):.3f} (min "
+                  f"{min(ratios):.3f}, max {max(ratios):.3f}; target {target})")
+    if "fit" in names and "fit_k" in names:
+        ratios = [k / o for k, o in zip(rows["fit_k"], rows["fit"])]
+        print(f"fit_k (steps_per_execution={args.spe}) / fit steps/s: median "
+              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}; "
+              "target >= 2 on the tiny model at K=9)")
     final = {n: jax.tree.leaves(jax.device_get(strategy.to_mirrored(states[n]).params))[0]
              for n in names}
     for n in names[1:]:  # same computation, so the same parameters after the same steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from jaxdist.core import replica
 from jaxdist.core._types import PyTree
 from jaxdist.core.layout import Layout, place_all, placed_on
 from jaxdist.core.replica import ReduceOp
-from jaxdist.core.step import InFlight, returns_state
+from jaxdist.core.step import InFlight, _frozen, returns_state
 from jaxdist.core.values import (Batch, PerReplica, explaining_batch_errors, is_per_replica, join_static,
                             split_leaves)
 
@@ -53,6 +54,7 @@ class RunCache:
         self._by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._by_id: dict[int, tuple[weakref.ref, dict]] = {}  # owners that are not hashable
         self.in_flight = InFlight(max_in_flight)
+        self._recent: tuple = (None, None)  # (weakref to the function run last, its plan)
 
     def _entries(self, owner: Any) -> dict | None:
         try:
@@ -90,6 +92,9 @@ class RunCache:
 
     def last_plan(self, fn: Callable) -> _Plan | None:
         """What the previous ``run`` of ``fn`` found, held as weakly as the compiled entries."""
+        ref, plan = self._recent
+        if ref is not None and ref() is fn:  # a loop running the same function: no lookup
+            return plan
         owner, func = self._split(fn)
         try:
             per_owner = self._by_owner.get(owner)
@@ -103,6 +108,10 @@ class RunCache:
         per_owner = self._entries(owner)
         if per_owner is not None:
             per_owner[(func, _PLAN)] = plan
+            try:
+                self._recent = (weakref.ref(fn), plan)
+            except TypeError:  # a callable that cannot be weakly referenced: looked up each time
+                self._recent = (None, None)
 
 
 _PLAN = object()  # the key, beside a function's compiled entries, of its last call's plan
@@ -118,23 +127,72 @@ class _Plan:
     afresh costs tens. Anything that does not match goes the full way, which raises the errors.
     """
 
-    __slots__ = ("treedef", "kinds", "statics", "shardings", "entry", "n")
+    __slots__ = ("treedef", "kinds", "statics", "shardings", "entry", "n", "num_first",
+                 "rest_def", "fed_back", "fed_values", "verified", "feedable", "batches",
+                 "batch_shardings", "__weakref__")
 
-    def __init__(self, treedef, kinds, statics, values, entry, n):
+    def __init__(self, treedef, kinds, statics, values, entry, n, num_first=0, rest_def=None):
         self.treedef, self.kinds, self.statics, self.entry, self.n = (
             treedef, kinds, statics, entry, n)
         vals = iter(values)
         self.shardings = [_UNSEEN if k is _STATIC or k is _SPLIT else _sharding(next(vals))
                           for k in kinds]
+        # The state a loop feeds back (the previous call's new state, a frozen object such as a
+        # flax TrainState, held weakly) stands for its first ``num_first`` arguments: the same
+        # object has the same leaves, which this plan's program made, so they need no checks.
+        self.num_first, self.rest_def = num_first, rest_def
+        self.fed_back, self.fed_values, self.verified = None, (), None
+        self.feedable = bool(rest_def is not None and num_first and all(
+            k is _BLOCKS or k is _PER for k in kinds[:num_first]))
+        self.batches = [i for i, v in enumerate(values) if type(v) is Batch]
+        self.batch_shardings: dict[int, tuple] = {}  # a batch's leaves' shardings, by position
+
+    def expect(self, state: Any, arrays: list) -> None:
+        """Notes that the next call will likely pass ``state`` (this call's new state, whose
+        ``PerReplica`` leaves hold ``arrays``) first."""
+        self.fed_back = None
+        if not self.feedable or not _frozen(type(state)):
+            return
+        if self.verified is None:  # every call of this plan's program returns the same form
+            leaves = jax.tree.leaves(state, is_leaf=is_per_replica)
+            self.verified = len(leaves) == self.num_first and all(
+                type(x) is PerReplica and isinstance(x._value, jax.Array)
+                and x._blocks == (self.n if k is _BLOCKS else 0)
+                and x._value.sharding is self.shardings[i]
+                for i, (x, k) in enumerate(zip(leaves, self.kinds)))
+        if self.verified:
+            # The arrays are the state's own, held only while the state lives.
+            self.fed_back = weakref.ref(state, functools.partial(_forget, weakref.ref(self)))
+            self.fed_values = arrays
+
+    def _fed_back(self, layout: Layout, args: tuple, kwargs: dict) -> list | None:
+        if not args or self.fed_back() is not args[0]:
+            return None
+        try:
+            rest = self.rest_def.flatten_up_to((args[1:], kwargs))
+        except (ValueError, TypeError):
+            return None
+        tail = self._match_tops(layout, rest, self.num_first)
+        if tail is None or not self.fed_values:
+            return None
+        return [*self.fed_values, *tail]
 
     def match(self, layout: Layout, args: tuple, kwargs: dict) -> list | None:
         """The placed argument values when the arguments match this plan, else None."""
+        if self.fed_back is not None:
+            values = self._fed_back(layout, args, kwargs)
+            if values is not None:
+                return values
         try:
             tops = self.treedef.flatten_up_to((args, kwargs))
         except (ValueError, TypeError):
             return None
-        values, statics, shardings = [], iter(self.statics), self.shardings
-        for i, (kind, top) in enumerate(zip(self.kinds, tops)):
+        return self._match_tops(layout, tops, 0)
+
+    def _match_tops(self, layout: Layout, tops: list, start: int) -> list | None:
+        values, shardings = [], self.shardings
+        statics = iter(self.statics)  # a fed-back state (start > 0) holds none
+        for i, kind, top in zip(itertools.count(start), self.kinds[start:], tops):
             if kind is _BLOCKS or kind is _PER:
                 if type(top) is not PerReplica or top._blocks != (self.n if kind is _BLOCKS else 0):
                     return None
@@ -146,7 +204,15 @@ class _Plan:
             elif kind is _SPLIT:
                 if type(top) is not Batch:
                     return None
-                value = layout.put_batch(top)
+                leaves = jax.tree.leaves(top)
+                known = self.batch_shardings.get(i)
+                if known is not None and len(known) == len(leaves) and all(
+                        getattr(x, "sharding", None) is k for x, k in zip(leaves, known)):
+                    value = top  # laid out as the previous batch at this place was
+                else:
+                    value = layout.put_batch(top)
+                    self.batch_shardings[i] = tuple(getattr(x, "sharding", None)
+                                                    for x in jax.tree.leaves(value))
             elif kind is _REP:
                 if not (isinstance(top, jax.Array) and top.sharding is shardings[i]):
                     if not (isinstance(top, _ARRAY_TYPES) or hasattr(top, "__jax_array__")):
@@ -161,6 +227,13 @@ class _Plan:
                 continue
             values.append(value)
         return values
+
+
+def _forget(plan_ref: weakref.ref, state_ref: weakref.ref) -> None:
+    """The state a plan expected back died: drop its arrays (unless a newer state replaced it)."""
+    plan = plan_ref()
+    if plan is not None and plan.fed_back is state_ref:
+        plan.fed_back, plan.fed_values = None, ()
 
 
 def _sharding(value: Any) -> Any:
@@ -213,14 +286,18 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
     """
     with layout.mesh_context():  # inside a user's own jax.set_mesh, on the strategy's mesh
-        compiled, keeps_state, values = _prepare(layout, cache, fn, args, kwargs)
-        with replica.enter(layout.context(per_replica=True)):
-            out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
+        compiled, keeps_state, values, plan = _prepare(layout, cache, fn, args, kwargs)
+        out, raw = compiled.call(*values)  # fn's structure of PerReplica values, its arrays
     if keeps_state:
-        cache.in_flight.add(out[1], out[0])
+        n_state = compiled.state_leaves
+        if len(raw) > n_state:  # an output the next step does not consume: wait on it
+            cache.in_flight.add_handle(raw[n_state], out[0])
+        else:
+            cache.in_flight.add(out[1], out[0])
+        plan.expect(out[0], raw[:n_state])
     else:
         cache.in_flight.add(out, ())
-    masks = [v.mask for v in values if type(v) is Batch and v.mask is not None]
+    masks = [values[i].mask for i in plan.batches if values[i].mask is not None]
     if masks:
         _mark_rows(out[1] if keeps_state else out, masks, layout.num_replicas)
     return out
@@ -254,9 +331,8 @@ def lower(strategy: Any, fn: Callable, args: tuple = (), kwargs: dict | None = N
     True
     """
     layout = strategy.layout
-    compiled, _, values = _prepare(layout, strategy._run_cache, fn, tuple(args), kwargs or {})
-    with replica.enter(layout.context(per_replica=True)):
-        return compiled.lower(*values)
+    compiled, _, values, _ = _prepare(layout, strategy._run_cache, fn, tuple(args), kwargs or {})
+    return compiled.lower(*values)
 
 
 def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict):
@@ -266,7 +342,7 @@ def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs:
     if plan is not None:
         values = plan.match(layout, args, kwargs if type(kwargs) is dict else dict(kwargs))
         if values is not None:
-            return (*plan.entry, values)
+            return (*plan.entry, values, plan)
     if not callable(fn):
         raise TypeError(f"strategy.run(fn, ...) expects a callable, got {type(fn).__name__}")
     tops, treedef = jax.tree.flatten((args, dict(kwargs)), is_leaf=_is_distributed)
@@ -279,16 +355,20 @@ def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs:
     key = (treedef, tuple(kinds), tuple(statics), num_first)
     entry = cache.lookup(fn, key, lambda get_fn: _compile(
         layout, get_fn, treedef, tuple(kinds), tuple(statics), num_first, values))
-    cache.remember(fn, _Plan(treedef, tuple(kinds), tuple(statics), values, entry,
-                             layout.num_replicas))
-    return (*entry, values)
+    rest_def = (jax.tree.structure((args[1:], dict(kwargs)), is_leaf=_is_distributed)
+                if args else None)
+    plan = _Plan(treedef, tuple(kinds), tuple(statics), values, entry, layout.num_replicas,
+                 num_first, rest_def)
+    cache.remember(fn, plan)
+    return (*entry, values, plan)
 
 
 def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tuple[str, ...],
-             statics: tuple, num_first: int, values: list) -> tuple[Callable, bool]:
+             statics: tuple, num_first: int, values: list) -> tuple[_Program, bool]:
     split = jax.P(layout.data_axes)
     n = layout.num_replicas
-    traced_returns_state, out_ranks, out_statics, out_defs = [], [], {}, []
+    ctx = layout.context(per_replica=True)
+    traced_returns_state, out_ranks, out_statics, out_defs, state_leaves = [], [], {}, [], [0]
 
     def body(*vals):
         vals, consts = iter(vals), iter(statics)
@@ -301,7 +381,10 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
             else:  # a replicated value, a batch's slice, or a replica's own block: as they are
                 tops.append(next(vals))
         args, kwargs = jax.tree.unflatten(treedef, tops)
-        out = get_fn()(*args, **kwargs)
+        # The context matters only while tracing (jaxdist.all_reduce reads it then), so it is
+        # entered here rather than around every call of the compiled program.
+        with replica.enter(ctx):
+            out = get_fn()(*args, **kwargs)
         traced_returns_state.append(bool(args) and returns_state(args[0], out))
         leaves, out_def = jax.tree.flatten(out)
         # Static leaves (an Equinox module's functions in a returned state) leave the program
@@ -311,24 +394,15 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
         out_statics.update(statics_here)
         leaves = [jnp.asarray(x) for x in leaves]
         out_ranks[:] = [x.ndim for x in leaves]
+        out_defs[:] = [out_def]
+        state_leaves[:] = [len(jax.tree.leaves(out[0])) if traced_returns_state[-1] else 0]
         # A value of rank >= 1 leaves as its replica's block of a concatenation (no reshape: see
         # PerReplica); only scalars gain the leading replica axis.
-        leaves = [x if x.ndim else x[None] for x in leaves]
-        if out_statics:
-            out_defs[:] = [out_def]
-            return leaves
-        return jax.tree.unflatten(out_def, leaves)
+        return [x if x.ndim else x[None] for x in leaves]
 
     in_specs = tuple(jax.P() if k == _REP else split for k in kinds if k != _STATIC)
     mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=split,
                            check_vma=False)
-
-    def program(*vals):
-        leaves, out_def = jax.tree.flatten(mapped(*vals))
-        # Wrapped inside the compiled function, so jit's C++ path builds the PerReplica values.
-        return jax.tree.unflatten(out_def, [
-            PerReplica._from_blocks(x, n) if rank else PerReplica(x)
-            for x, rank in zip(leaves, out_ranks)])
 
     batch = next((v for v in values if type(v) is Batch), None)
     with replica.enter(layout.context(per_replica=True)), explaining_batch_errors(batch):
@@ -340,17 +414,40 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
     first_values = sum(1 for k in kinds[:num_first] if k != _STATIC)
     donate = tuple(i for i in range(first_values)
                    if value_kinds[i] in (_PER, _BLOCKS)) if keeps_state else ()
-    compiled = jax.jit(program, donate_argnums=donate)
-    if not out_statics:
-        return compiled, keeps_state
-    # The program returns the arrays; the output tree is rebuilt around them.
-    out_def, statics_at = out_defs[0], dict(out_statics)
+    return _Program(jax.jit(mapped, donate_argnums=donate), n, out_defs, out_ranks, out_statics,
+                    state_leaves), keeps_state
 
-    def with_statics(*vals):
-        return join_static(out_def, statics_at, compiled(*vals))
 
-    with_statics.lower = compiled.lower
-    return with_statics, keeps_state
+class _Program:
+    """A compiled per-replica program: it returns its output arrays, and this builds ``fn``'s
+    output structure around them, a ``PerReplica`` in place of each. The output's form is read
+    from the latest trace (a new input shape retraces with the same structure)."""
+
+    def __init__(self, jitted, n, out_defs, out_ranks, out_statics, state_leaves):
+        self.jitted, self.n = jitted, n
+        self._defs, self._ranks, self._statics, self._state = (out_defs, out_ranks, out_statics,
+                                                                state_leaves)
+
+    def __call__(self, *vals):
+        return self.call(*vals)[0]
+
+    @property
+    def state_leaves(self) -> int:
+        """How many of the output arrays belong to a returned new state (they come first)."""
+        return self._state[0]
+
+    def call(self, *vals) -> tuple[PyTree, list]:
+        """The output tree, and its arrays in order."""
+        raw = self.jitted(*vals)
+        n = self.n
+        wrapped = [PerReplica._from_blocks(x, n) if rank else PerReplica(x)
+                   for x, rank in zip(raw, self._ranks)]
+        if self._statics:
+            return join_static(self._defs[0], self._statics, wrapped), raw
+        return self._defs[0].unflatten(wrapped), raw
+
+    def lower(self, *vals):
+        return self.jitted.lower(*vals)
 
 
 # --- reading per-replica values --------------------------------------------------------------------
@@ -379,6 +476,11 @@ def _plain_reduce(layout: Layout, op: ReduceOp, x: Any, axis: int | None):
 
 
 def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) -> PyTree:
+    if (type(value) is PerReplica and isinstance(value._value, jax.Array)
+            and (axis is None or value._mask is None)):
+        # One per-replica array (the README loop's loss every step): one compiled call on it.
+        return _reducer(ReduceOp.parse(op).value, axis, layout.replicated, value._blocks)(
+            value._value)
     op = ReduceOp.parse(op)
     leaves, treedef, per = _split_nest(value)
     if not per:
@@ -397,19 +499,35 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
     return jax.tree.unflatten(treedef, out)
 
 
+def _reduce_one(op: str, axis: int | None, out_sharding: NamedSharding, x: jax.Array):
+    """``reduce`` of one stacked per-replica array (traced)."""
+    if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
+        raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
+                         f"of shape {x.shape[1:]}; use axis=None to reduce across replicas only")
+    axes = (0,) if axis is None else (0, 1 + axis % (x.ndim - 1))
+    total = jnp.sum(x, axis=axes)
+    if op == "mean":
+        total = total / np.prod([x.shape[a] for a in axes])
+    return jax.lax.with_sharding_constraint(total, out_sharding)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, values):
-    def one(x):
-        if axis is not None and not -(x.ndim - 1) <= axis < x.ndim - 1:
-            raise ValueError(f"strategy.reduce(axis={axis}) is out of range for per-replica values "
-                             f"of shape {x.shape[1:]}; use axis=None to reduce across replicas only")
-        axes = (0,) if axis is None else (0, 1 + axis % (x.ndim - 1))
-        total = jnp.sum(x, axis=axes)
-        if op == "mean":
-            total = total / np.prod([x.shape[a] for a in axes])
-        return jax.lax.with_sharding_constraint(total, out_sharding)
+    return jax.tree.map(functools.partial(_reduce_one, op, axis, out_sharding),
+                        [v.stacked for v in values])
 
-    return jax.tree.map(one, [v.stacked for v in values])
+
+@functools.lru_cache(maxsize=64)
+def _reducer(op: str, axis: int | None, out_sharding: NamedSharding, blocks: int) -> Callable:
+    """``reduce`` of one per-replica array (stacked, or ``blocks`` replicas' values
+    concatenated), compiled with everything but the array fixed: a call passes the array alone,
+    no static arguments to hash nor ``PerReplica`` to flatten."""
+    def one(x):
+        if blocks:
+            x = x.reshape((blocks, x.shape[0] // blocks) + tuple(x.shape[1:]))
+        return _reduce_one(op, axis, out_sharding, x)
+
+    return jax.jit(one)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

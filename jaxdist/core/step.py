@@ -62,11 +62,18 @@ class InFlight:
 
     def add(self, keep: PyTree, consumed: PyTree) -> None:
         """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
-        self._calls += 1
+        leaves = jax.tree.leaves(keep)
         # The first leaf that can be waited for (static leaves, an Equinox module's functions
-        # say, cannot).
-        handle = next((x for x in jax.tree.leaves(keep) if hasattr(x, "block_until_ready")),
-                      None)
+        # say, cannot); usually the very first.
+        if leaves and hasattr(leaves[0], "block_until_ready"):
+            self.add_handle(leaves[0], consumed)
+        else:
+            self.add_handle(next((x for x in leaves if hasattr(x, "block_until_ready")), None),
+                            consumed)
+
+    def add_handle(self, handle: Any, consumed: PyTree) -> None:
+        """``add`` given the leaf of ``keep`` to wait for (None: it has none)."""
+        self._calls += 1
         if handle is None:
             if self._calls % self.max_in_flight == 0:
                 jax.block_until_ready(consumed)
@@ -158,22 +165,44 @@ def _loop(fn: Callable, keeps_state: bool, extras: PyTree) -> Callable:
     return program
 
 
-class _Plan(NamedTuple):
+class _Plan:
     """What the previous call found, so that a loop's next call can skip placing and keying: the
-    state it expects (the previous output, held weakly), the batch's structure and shardings."""
+    state it expects (the previous output, held weakly: as one frozen object, or leaf by leaf),
+    the batch's structure and shardings."""
 
-    treedef: Any
-    refs: tuple
-    batch_def: Any
-    batch_shardings: tuple
-    compiled: Callable
-    keeps_state: bool
+    __slots__ = ("whole", "treedef", "refs", "batch_def", "batch_shardings", "compiled",
+                 "keeps_state")
+
+    def __init__(self, batch_def: Any, batch_shardings: tuple, compiled: Callable,
+                 keeps_state: bool):
+        self.whole = None  # a weakref to a frozen state object (a flax TrainState)
+        self.treedef, self.refs = None, ()  # ... or to each leaf of another state
+        self.batch_def, self.batch_shardings = batch_def, batch_shardings
+        self.compiled, self.keeps_state = compiled, keeps_state
 
 
-def _is_expected(refs: tuple, leaves: list) -> bool:
-    if len(refs) != len(leaves):
+_FROZEN: dict[type, bool] = {}
+
+
+def _frozen(kind: type) -> bool:
+    """Instances of ``kind`` cannot change their leaves (a frozen dataclass: flax's TrainState, an
+    Equinox module), so one identity test stands for the whole state."""
+    found = _FROZEN.get(kind)
+    if found is None:
+        params = getattr(kind, "__dataclass_params__", None)
+        found = _FROZEN[kind] = bool(params is not None and params.frozen
+                                     and hasattr(kind, "__weakref__"))
+    return found
+
+
+def _expects(plan: _Plan, state: PyTree) -> bool:
+    """``state`` is the one the previous call returned (placed, the same structure)."""
+    if plan.whole is not None:
+        return plan.whole() is state
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != plan.treedef:
         return False
-    for ref, x in zip(refs, leaves):
+    for ref, x in zip(plan.refs, leaves):
         if ref() is not x:
             return False
     return True
@@ -221,34 +250,39 @@ class DistributedStep:
     def __call__(self, state: PyTree, batch: PyTree, /):
         layout = self.strategy.layout
         plan = self._plan
-        if plan is not None:
+        if plan is not None and _expects(plan, state):
             # The steady state of a loop: the state is what the previous call returned and the
             # batch is laid out as the previous one was, so nothing needs placing or keying.
-            leaves, treedef = jax.tree.flatten(state)
-            if treedef == plan.treedef and _is_expected(plan.refs, leaves):
-                batch_leaves, batch_def = jax.tree.flatten(batch)
-                if batch_def == plan.batch_def and _has_shardings(batch_leaves,
-                                                                  plan.batch_shardings):
+            batch_leaves, batch_def = jax.tree.flatten(batch)
+            if batch_def == plan.batch_def and _has_shardings(batch_leaves, plan.batch_shardings):
+                if jax.sharding.get_abstract_mesh().empty:  # no mesh of the caller's to leave
+                    out = plan.compiled(state, batch)
+                else:
                     with layout.mesh_context():
                         out = plan.compiled(state, batch)
-                    return self._finish(out, plan.keeps_state, plan.compiled, state, batch_def,
-                                        plan.batch_shardings)
+                return self._finish(out, plan, state)
         # Called inside the user's own ``jax.set_mesh`` (Explicit axes, say): run on ours.
         with layout.mesh_context():
             return self._call(state, batch)
 
-    def _finish(self, out: Any, keeps_state: bool, compiled: Callable, state: PyTree,
-                batch_def: Any, batch_shardings: tuple):
+    def _finish(self, out: Any, plan: _Plan, state: PyTree):
         """Bounds the run-ahead and remembers what the next call of a loop will pass."""
-        if keeps_state:
-            self._in_flight.add(out[1], out[0])
-            expected = out[0]
+        if plan.keeps_state:
+            expected, metrics = out
+            leaves = jax.tree.leaves(metrics)
+            if leaves and hasattr(leaves[0], "block_until_ready"):
+                self._in_flight.add_handle(leaves[0], expected)
+            else:
+                self._in_flight.add(metrics, expected)
         else:
             self._in_flight.add(out, ())
             expected = state
-        leaves, treedef = jax.tree.flatten(expected)
-        self._plan = _Plan(treedef, tuple(weakref.ref(x) for x in leaves), batch_def,
-                           batch_shardings, compiled, keeps_state)
+        if _frozen(type(expected)):
+            plan.whole = weakref.ref(expected)
+        else:
+            leaves, plan.treedef = jax.tree.flatten(expected)
+            plan.whole, plan.refs = None, tuple(weakref.ref(x) for x in leaves)
+        self._plan = plan
         return out
 
     def _placed(self, state: PyTree, batch: PyTree):
@@ -280,7 +314,7 @@ class DistributedStep:
         compiled, keeps_state = self._entry(state, batch, leaves, treedef, mask_at)
         out = compiled(state, batch)
         shardings = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(batch))
-        return self._finish(out, keeps_state, compiled, state, given_def, shardings)
+        return self._finish(out, _Plan(given_def, shardings, compiled, keeps_state), state)
 
     # --- several steps per call (fit's steps_per_execution) ------------------------------------
     def steps(self, state: PyTree, batches: PyTree, count: int, /):
