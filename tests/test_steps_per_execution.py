@@ -330,3 +330,62 @@ def test_a_step_that_trains_elsewhere_is_refused_with_k_above_1(digits):
     with pytest.raises(ValueError, match=r"steps_per_execution=3\) needs a step compiled by"):
         jaxdist.fit(Elsewhere(), {"w": np.zeros(1)}, s.distribute(np.arange(8.0), 4), verbose=0,
                     steps_per_execution=3)
+
+
+def test_an_iterable_and_an_input_function_group_alike(digits):
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    (x, y), _ = _data(digits)
+
+    def batches():  # 5 batches of 64, the last one short: padded by distribute
+        for i in range(0, len(x), 64):
+            yield x[i:i + 64], y[i:i + 64]
+
+    def per_replica(ctx):
+        return [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
+
+    for data in (s.distribute(batches, 64), s.distribute_datasets_from_function(per_replica)):
+        one = jaxdist.fit(s.step(models.classifier_train_step), _state(), data, epochs=2,
+                          verbose=0)
+        three = jaxdist.fit(s.step(models.classifier_train_step), _state(), data, epochs=2,
+                            verbose=0, steps_per_execution=3)
+        assert int(three.state.step) == int(one.state.step) == 10
+        _close(three.state.params, one.state.params)
+        np.testing.assert_allclose(three.history["loss"], one.history["loss"], rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_2x2_processes_group_like_one_process_and_resume_at_a_k_boundary(tmp_path):
+    from jaxdist import launch
+    from tests.conftest import REPO
+
+    script = os.path.join(REPO, "tests", "_scripts", "train_resume.py")
+    env = {"PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+
+    def run(name, *extra, max_restarts=0):
+        out = tmp_path / f"{name}.npz"
+        res = launch.run([script, "--backup", str(tmp_path / f"{name}_b"), "--out", str(out),
+                          "--spe", "3", *extra], num_processes=2, devices_per_process=2,
+                         max_restarts=max_restarts, timeout_s=300, grace_period_s=10, env=env,
+                         cwd=REPO)
+        assert res.returncode == 0, res.output[-3000:]
+        return res, np.load(out)
+
+    # 8 batches an epoch (the last padded): calls end on steps 3, 6, 8, 11, 14, 16, ... 24.
+    _, grouped = run("ref")
+    one = run_python([script, "--backup", str(tmp_path / "one_b"), "--out",
+                      str(tmp_path / "one.npz")], timeout=240, devices=4)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = np.load(tmp_path / "one.npz")
+    assert int(grouped["step"]) == int(single["step"]) == 24
+    for k in single.files:
+        if k not in ("restored", "step"):
+            np.testing.assert_allclose(grouped[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # Rank 1 is killed after the call that ends on step 11: the job restarts and resumes at a K
+    # boundary (from memory: 11, or 8 if the kill beat the tier's write), ending where it would.
+    res, resumed = run("killed", "--kill-at", "11", "--signal", "KILL", "--rank", "1",
+                       max_restarts=1)
+    assert res.restarts == 1 and int(resumed["restored"]) in (8, 11)
+    for k in grouped.files:
+        if k != "restored":
+            np.testing.assert_array_equal(grouped[k], resumed[k], err_msg=k)

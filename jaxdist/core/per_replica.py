@@ -129,7 +129,7 @@ class _Plan:
 
     __slots__ = ("treedef", "kinds", "statics", "shardings", "entry", "n", "num_first",
                  "rest_def", "fed_back", "fed_values", "verified", "feedable", "batches",
-                 "batch_shardings", "__weakref__")
+                 "batch_shardings", "forget", "__weakref__")
 
     def __init__(self, treedef, kinds, statics, values, entry, n, num_first=0, rest_def=None):
         self.treedef, self.kinds, self.statics, self.entry, self.n = (
@@ -146,6 +146,7 @@ class _Plan:
             k is _BLOCKS or k is _PER for k in kinds[:num_first]))
         self.batches = [i for i, v in enumerate(values) if type(v) is Batch]
         self.batch_shardings: dict[int, tuple] = {}  # a batch's leaves' shardings, by position
+        self.forget = functools.partial(_forget, weakref.ref(self))
 
     def expect(self, state: Any, arrays: list) -> None:
         """Notes that the next call will likely pass ``state`` (this call's new state, whose
@@ -162,7 +163,7 @@ class _Plan:
                 for i, (x, k) in enumerate(zip(leaves, self.kinds)))
         if self.verified:
             # The arrays are the state's own, held only while the state lives.
-            self.fed_back = weakref.ref(state, functools.partial(_forget, weakref.ref(self)))
+            self.fed_back = weakref.ref(state, self.forget)
             self.fed_values = arrays
 
     def _fed_back(self, layout: Layout, args: tuple, kwargs: dict) -> list | None:
@@ -206,8 +207,8 @@ class _Plan:
                     return None
                 leaves = jax.tree.leaves(top)
                 known = self.batch_shardings.get(i)
-                if known is not None and len(known) == len(leaves) and all(
-                        getattr(x, "sharding", None) is k for x, k in zip(leaves, known)):
+                if (known is not None and len(known) == len(leaves)
+                        and _same_shardings(leaves, known)):
                     value = top  # laid out as the previous batch at this place was
                 else:
                     value = layout.put_batch(top)
@@ -227,6 +228,13 @@ class _Plan:
                 continue
             values.append(value)
         return values
+
+
+def _same_shardings(leaves: list, shardings: tuple) -> bool:
+    for x, k in zip(leaves, shardings):
+        if getattr(x, "sharding", None) is not k:
+            return False
+    return True
 
 
 def _forget(plan_ref: weakref.ref, state_ref: weakref.ref) -> None:
@@ -285,9 +293,13 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     map and the transpose of that is a psum, so ``jax.grad`` would already return gradients summed
     over replicas and the user's ``all_reduce`` would double-count. Here gradients stay local.
     """
-    with layout.mesh_context():  # inside a user's own jax.set_mesh, on the strategy's mesh
+    if jax.sharding.get_abstract_mesh().empty:  # no mesh of the caller's to leave
         compiled, keeps_state, values, plan = _prepare(layout, cache, fn, args, kwargs)
         out, raw = compiled.call(*values)  # fn's structure of PerReplica values, its arrays
+    else:
+        with layout.mesh_context():  # inside a user's own jax.set_mesh, on the strategy's mesh
+            compiled, keeps_state, values, plan = _prepare(layout, cache, fn, args, kwargs)
+            out, raw = compiled.call(*values)
     if keeps_state:
         n_state = compiled.state_leaves
         if len(raw) > n_state:  # an output the next step does not consume: wait on it
@@ -479,8 +491,8 @@ def reduce(layout: Layout, op: ReduceOp | str, value: PyTree, axis: int | None) 
     if (type(value) is PerReplica and isinstance(value._value, jax.Array)
             and (axis is None or value._mask is None)):
         # One per-replica array (the README loop's loss every step): one compiled call on it.
-        return _reducer(ReduceOp.parse(op).value, axis, layout.replicated, value._blocks)(
-            value._value)
+        return _reducer(op if op == "sum" or op == "mean" else ReduceOp.parse(op).value, axis,
+                        layout, value._blocks)(value._value)
     op = ReduceOp.parse(op)
     leaves, treedef, per = _split_nest(value)
     if not per:
@@ -518,14 +530,14 @@ def _reduce_stacked(op: str, axis: int | None, out_sharding: NamedSharding, valu
 
 
 @functools.lru_cache(maxsize=64)
-def _reducer(op: str, axis: int | None, out_sharding: NamedSharding, blocks: int) -> Callable:
+def _reducer(op: str, axis: int | None, layout: Layout, blocks: int) -> Callable:
     """``reduce`` of one per-replica array (stacked, or ``blocks`` replicas' values
     concatenated), compiled with everything but the array fixed: a call passes the array alone,
     no static arguments to hash nor ``PerReplica`` to flatten."""
     def one(x):
         if blocks:
             x = x.reshape((blocks, x.shape[0] // blocks) + tuple(x.shape[1:]))
-        return _reduce_one(op, axis, out_sharding, x)
+        return _reduce_one(op, axis, layout.replicated, x)
 
     return jax.jit(one)
 

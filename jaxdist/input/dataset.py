@@ -346,12 +346,13 @@ class DistributedDataset:
         layout, gb = self.strategy.layout, self.global_batch_size
         leaves, treedef = jax.tree.flatten(host.local)
         on = stacked_sharding(layout.batch)
-        if _fast_put(layout.batch):
-            split = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)
-            parts = split(*leaves)  # numpy in: the compiled call's own transfer
-        else:
-            parts = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)(
-                *self._put(on, leaves, stacked=True))
+        split = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)
+        # Called inside a user's own jax.set_mesh (Explicit axes, say): run on the strategy's.
+        with layout.mesh_context():
+            if _fast_put(layout.batch):
+                parts = split(*leaves)  # numpy in: the compiled call's own transfer
+            else:
+                parts = split(*self._put(on, leaves, stacked=True))
         out = []
         for k, num_real in enumerate(host.num_real):
             data = jax.tree.unflatten(treedef, parts[k])
@@ -375,8 +376,9 @@ class DistributedDataset:
             shardings = jax.tree.broadcast(sharding, tree)
             if all(_fast_put(s) for s in jax.tree.leaves(shardings)):
                 leaves, treedef = jax.tree.flatten(tree)
-                return jax.tree.unflatten(treedef, _transfer(tuple(jax.tree.leaves(shardings)))(
-                    *leaves))
+                with self.strategy.layout.mesh_context():  # the strategy's mesh, not the user's
+                    placed = _transfer(tuple(jax.tree.leaves(shardings)))(*leaves)
+                return jax.tree.unflatten(treedef, placed)
             return jax.device_put(tree, sharding)
         gb = self.global_batch_size
         lead = 2 if stacked else 1

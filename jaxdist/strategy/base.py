@@ -154,9 +154,10 @@ class MeshStrategy(Strategy):
           seed: shuffling seed.
           drop_remainder: drop a final partial batch instead of padding it (padded rows carry
             ``mask == False``, so no example is dropped or counted twice either way).
-          prefetch: batches prepared ahead on a background thread (bounded); ``0`` makes each batch
-            on the loop's thread when it is asked for. Default: ``0`` for in-memory arrays (a
-            gather and an asynchronous transfer per batch, cheaper than a thread's hand-over), ``2``
+          prefetch: batches prepared ahead on a background thread (bounded; for in-memory arrays,
+            chunks of up to 8 batches, see the input guide); ``0`` makes them
+            on the loop's thread when they are asked for. Default: ``0`` for in-memory arrays (a
+            gather and a transfer per chunk of batches, cheaper than a thread's hand-over), ``2``
             for an iterable, whose batches may take time to make.
           auto_shard_policy: how several processes split an iterable source
             (``jaxdist.AutoShardPolicy``: ``AUTO`` = ``FILE`` for a source with ``shard(index,

@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--signal", choices=("KILL", "TERM"), default="KILL")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--spe", type=int, default=1, help="fit's steps_per_execution")
     args = ap.parse_args()
 
     if "JAXDIST_NUM_PROCESSES" in os.environ:
@@ -67,7 +68,8 @@ def main():
         callbacks.insert(0, KillAt(args.kill_at, getattr(signal, "SIG" + args.signal), args.rank))
     hist = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                        strategy.distribute((x, y), 96, shuffle=True, seed=5),
-                       epochs=args.epochs, callbacks=callbacks, verbose=0)
+                       epochs=args.epochs, callbacks=callbacks, verbose=0,
+                       steps_per_execution=args.spe)
     params = jax.device_get(hist.state.params)
     if jax.process_index() == 0:
         flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
