@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 
 import jax
 import numpy as np
@@ -389,3 +390,24 @@ def test_2x2_processes_group_like_one_process_and_resume_at_a_k_boundary(tmp_pat
     for k in grouped.files:
         if k != "restored":
             np.testing.assert_array_equal(grouped[k], resumed[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_many_steps_per_call_queued_on_8_devices_do_not_abort():
+    """DESIGN.md's run-ahead bound counts compiled calls: 32 calls of 16 steps each (512 steps
+    with collectives) may be queued, and XLA:CPU's rendezvous does not abort."""
+    code = textwrap.dedent("""
+        import jax, jaxdist
+        from jaxdist import models
+        x, y = jaxdist.datasets.synthetic(64 * 640, shape=(16,))
+        s = jaxdist.MirroredStrategy()
+        assert s.num_replicas_in_sync == 8
+        state = models.create_train_state(models.MLP(hidden=(32,)), x[:1])
+        hist = jaxdist.fit(s.step(models.classifier_train_step), state,
+                           s.distribute((x, y), 64, shuffle=True), epochs=1, verbose=0,
+                           steps_per_execution=16, max_in_flight=32)
+        print("steps", int(hist.state.step), "loss", hist.history["loss"][0])
+    """)
+    proc = run_python(code, timeout=300, devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps 640" in proc.stdout
