@@ -81,6 +81,19 @@ def test_k_steps_per_call_give_the_parameters_and_history_of_one(digits, devices
             np.testing.assert_allclose(many.history[name], one.history[name], rtol=1e-6)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: jaxdist.MirroredStrategy(jax.devices()[:4], zero_stage=3),
+    lambda: jaxdist.CentralStorageStrategy(jax.devices()[:4]),
+    lambda: jaxdist.OneDeviceStrategy(jax.devices()[1]),
+    jaxdist.DefaultStrategy,
+], ids=["zero_stage_3", "central_storage", "one_device", "default"])
+def test_every_strategy_groups_steps_with_the_same_numbers(digits, make):
+    data = _data(digits)
+    one, three = _fit(make(), data, 1, epochs=2), _fit(make(), data, 3, epochs=2)
+    _close(three.state.params, one.state.params)
+    np.testing.assert_allclose(three.history["loss"], one.history["loss"], rtol=1e-6)
+
+
 def test_callbacks_run_once_per_call_with_the_step_it_ended_on(digits):
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
     data = _data(digits)
