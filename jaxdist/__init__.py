@@ -6,6 +6,7 @@
 """
 
 from jaxdist import _compat
+from jaxdist.launch import heartbeat as _heartbeat
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
 from jaxdist import ps as ps
@@ -62,3 +63,5 @@ __all__ = [
 
 # Old module paths (jaxdist.models, jaxdist.step, ...) import as their new homes: jaxdist/_compat.py.
 _compat.install()
+# Under `jaxdist launch`, every training step reports progress to the launcher (hang detection).
+_heartbeat.install()

@@ -10,6 +10,7 @@ import jax
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
 from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
                                            SaveCandidate, SavePolicy, resolve_mode)
+from jaxdist.launch import heartbeat
 from jaxdist.launch.memstate import StateTier
 
 logger = logging.getLogger(__name__)
@@ -200,12 +201,14 @@ class BackupAndRestore(ModelCheckpoint):
     exactly the batches the uninterrupted one would have, and ends with the same parameters.
 
     Under ``jaxdist launch`` (or with ``JAXDIST_STATE_DIR`` set) there is also an in-memory tier
-    (``jaxdist.memstate.StateTier``): every completed step's state and input position are kept in
-    host shared memory, and a restarted job resumes from the newest step any process holds (it
-    reaches the others over the network), so a failure costs at most one step; the backups in
-    ``directory`` are used when that is newer or the memory tier is gone. On a preemption notice
-    (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
-    and ``TrainingPreempted`` ends the process cleanly.
+    (``jaxdist.memstate.StateTier``): every few steps (as often as its cost budget allows: every
+    step for small states) the state and input position are copied to host shared memory in the
+    background, and a restarted job resumes from the newest step the job's processes hold (put
+    together over the network when hosts changed), so a failure costs at most the few steps the
+    tier announces; the backups in ``directory`` are used when they are newer or the memory tier is
+    gone. On a preemption notice (SIGTERM; agreed across processes), or a stop the elastic agents
+    agreed on, the tier and a backup are written at the next step boundary, made durable, and
+    ``TrainingPreempted`` ends the process cleanly.
 
     Args:
       directory: backup directory (shared by all processes).
@@ -229,13 +232,20 @@ class BackupAndRestore(ModelCheckpoint):
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
         self._notice.install()
         self.saved = []
+        resume = self._resume(info)
+        beat = heartbeat.current()
+        if beat is not None:  # the launcher counts steps from where this run starts
+            beat.set_step(resume.step if resume is not None else info.step)
+        return resume
+
+    def _resume(self, info: TrainInfo) -> Resume | None:
         snap = self.memory.resume(info.state, info.strategy)
         disk = self.manager.latest_step()
         if snap is not None and (disk is None or snap.step >= disk):
             data = snap.data_state or {}
             self.restored_step, self.restored_from = snap.step, "memory"
-            logger.info("restored step %d from memory (process %d; epoch %d, batch %d)",
-                        snap.step, snap.source, data.get("epoch", 0), data.get("position", 0))
+            logger.info("restored step %d from memory (epoch %d, batch %d)", snap.step,
+                        data.get("epoch", 0), data.get("position", 0))
             return Resume(state=snap.state, step=snap.step, epoch=data.get("epoch", info.epoch),
                           position=data.get("position", 0), source=f"memory:{snap.step}")
         # The newest backup that restores intact: a corrupt or half-written newer one is skipped
@@ -254,23 +264,27 @@ class BackupAndRestore(ModelCheckpoint):
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
         super().on_train_batch_end(info)
-        self.memory.save(info.step, info.state,
-                         info.iterator.state() if info.iterator is not None else None)
+        position = info.iterator.state() if info.iterator is not None else None
         stop = self.memory.stop_step()
         if stop is not None and info.step >= stop:
             if info.step > stop:
                 raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
                                    f"{info.step}; handled as a failure (resumes from memory)")
-            # Every process stops here (the elastic agents agreed on the step): the job re-forms.
+            # Every process stops here (the elastic agents agreed on the step): the job re-forms,
+            # from this very step (the tier's snapshot of it, forced and waited for).
             logger.info("stopping at step %d to re-form the job", stop)
+            self.memory.save(info.step, info.state, position, force=True)
             self.memory.flush()
             self._save(info)
             self.manager.wait_until_finished()
             raise TrainingPreempted(0)
         if self._notice.reached(info.step):
+            self.memory.save(info.step, info.state, position, force=True)
+            self.memory.flush()
             self._save(info)
             self.manager.wait_until_finished()
             raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()
+        self.memory.save(info.step, info.state, position)
 
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)

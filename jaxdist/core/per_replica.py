@@ -217,7 +217,7 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
         with replica.enter(layout.context(per_replica=True)):
             out = compiled(*values)  # already fn's structure of PerReplica values (see _compile)
     if keeps_state:
-        cache.in_flight.add(out[1], out[0])
+        cache.in_flight.add(out[1], out[0], trains=True)
     else:
         cache.in_flight.add(out, ())
     masks = [v.mask for v in values if type(v) is Batch and v.mask is not None]

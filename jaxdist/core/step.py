@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.core import replica
+from jaxdist.core import progress, replica
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import (Batch, StaticKey, explaining_batch_errors, is_static_leaf, join_static,
                             split_leaves, split_static)
@@ -46,13 +46,16 @@ class InFlight:
         self._pending: collections.deque = collections.deque()
         self._calls = 0
 
-    def add(self, keep: PyTree, consumed: PyTree) -> None:
-        """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
+    def add(self, keep: PyTree, consumed: PyTree, *, trains: bool = False) -> None:
+        """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not;
+        ``trains``: a training step (it handed back a new state), reported as progress."""
         self._calls += 1
         # The first leaf that can be waited for (static leaves, an Equinox module's functions
         # say, cannot).
         handle = next((x for x in jax.tree.leaves(keep) if hasattr(x, "block_until_ready")),
                       None)
+        if trains:
+            progress.report(1, handle)
         if handle is None:
             if self._calls % self.max_in_flight == 0:
                 jax.block_until_ready(consumed)
@@ -162,7 +165,7 @@ class DistributedStep:
         with replica.enter(layout.context(per_replica=False)):
             out = compiled(state, batch)
         if keeps_state:
-            self._in_flight.add(out[1], out[0])
+            self._in_flight.add(out[1], out[0], trains=True)
         else:
             self._in_flight.add(out, ())
         return out
@@ -224,7 +227,7 @@ class DistributedStep:
         with replica.enter(layout.context(per_replica=False)):
             flat = compiled(arrays, batch)
         if keeps_state:
-            self._in_flight.add(flat[n_state:], flat[:n_state])
+            self._in_flight.add(flat[n_state:], flat[:n_state], trains=True)
         else:
             self._in_flight.add(flat, ())
         return rebuild(flat)
