@@ -45,7 +45,7 @@ from jaxdist.launch._procs import describe_exit, free_ports
 from jaxdist.launch.cluster import ClusterSpec, split_address
 from jaxdist.launch.hang import HangDetector
 from jaxdist.launch.memstate import heartbeat_path, stop_path, write_stop
-from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
+from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, probe, serve
 
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
@@ -79,7 +79,7 @@ class Agent:
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
-        self.server = serve(f"{host}:{port}")
+        self.server = serve(f"{host}:{port}", own_job=rdzv_id)
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
@@ -147,7 +147,14 @@ class Agent:
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
             self.store.set("server", self.id)
+        else:
+            try:  # a port held by another program, or another job's token: say so at once
+                probe(self.store.address)
+            except RendezvousError as e:
+                self.say(str(e))
+                return 2
         self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
+        self.store.set_if_absent("done", 0)  # so that the job's end never needs a new key
         threading.Thread(target=self._beat, daemon=True).start()
         if self.server is not None:
             threading.Thread(target=self._close_rounds, daemon=True).start()
@@ -366,13 +373,14 @@ class Agent:
                 continue
             address = f"{info['addr']}:{self._rdzv_port}"
             if k == self.id:
-                self.server = serve(address)
+                self.server = serve(address, own_job=self.rdzv_id)
                 if self.server is None:
                     self.say(f"cannot serve the rendezvous store on {address} (port taken)")
                     return False
                 self._use_store(address)
                 self.store.set("server", self.id)
                 self.store.set("open", self._round + 1)
+                self.store.set_if_absent("done", 0)
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
                          f"it now on {address} (new agents: --rdzv-endpoint {address})")
