@@ -137,9 +137,9 @@ def _check_endpoint(text: str) -> str:
 
     >>> _check_endpoint("head-node:29400")
     'head-node:29400'
-    >>> _check_endpoint(":29611")
+    >>> _check_endpoint(":29611")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: --rdzv-endpoint ':29611': no host; expected HOST:PORT with a port in 1..65535 (an IPv6 address in brackets: [ADDR]:PORT), e.g. --rdzv-endpoint head-node:29400
+    ValueError: --rdzv-endpoint ':29611': no host; expected HOST:PORT with a port in 1..65535 ...
     """
     host, colon, port = text.rpartition(":")
     try:

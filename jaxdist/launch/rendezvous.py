@@ -242,10 +242,11 @@ class StoreServer:
     """A running store, as ``serve`` returns it.
 
     ``stop`` returns only once gRPC has finished every call it had taken, so that no call is
-    still being handed to the store's threads while the process exits: under a flood of calls
-    that used to leave a thread waiting forever for a message the stopped server never delivered,
-    and the agent alive after its job (``RuntimeError: cannot schedule new futures after
-    interpreter shutdown`` from gRPC's serving thread).
+    still being handed to the store's threads while the process exits. A stop that did not wait
+    let a flood of calls at the end of a job leave one of gRPC's pool threads waiting forever for
+    a message the stopped server would never deliver, and the agent alive after its job
+    (``RuntimeError: cannot schedule new futures after interpreter shutdown`` from gRPC's
+    serving thread, then the interpreter joining that pool thread for good).
     """
 
     def __init__(self, server: grpc.Server):
