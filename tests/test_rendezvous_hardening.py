@@ -226,11 +226,11 @@ def test_a_job_that_finished_in_a_full_store_exits_0(tmp_path, job):
     port = _free_port()
     agent = _agent(port, script, f"127.0.0.1:{port}", job)
     out, _ = agent.communicate(timeout=240)
+    assert agent.returncode == 0, out[-3000:]
     filled = re.search(r"filled: RESOURCE_EXHAUSTED after (\d+) keys", out)
     assert filled, out[-3000:]
     # another id gets its budget; the job's own keys (open, done, its round...) share its own
     assert int(filled[1]) == 2048 if job == "intruder" else 2030 < int(filled[1]) < 2048
-    assert agent.returncode == 0, out[-3000:]
 
 
 # -- item 6: the serving agent exits when the job ends, under a flood -------------------------
