@@ -48,7 +48,7 @@ from jaxdist.launch.cluster import ClusterSpec, split_address
 from jaxdist.launch.hang import HangDetector, waited_for
 from jaxdist.launch.heartbeat import heartbeat_path
 from jaxdist.launch.memstate import stop_path, write_stop
-from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
+from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, probe, serve
 
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
@@ -82,7 +82,7 @@ class Agent:
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
-        self.server = serve(f"{host}:{port}")
+        self.server = serve(f"{host}:{port}", own_job=rdzv_id)
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
@@ -201,7 +201,14 @@ class Agent:
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
             self.store.set("server", self.id)
+        else:
+            try:  # a port held by another program, or another job's token: say so at once
+                probe(self.store.address)
+            except RendezvousError as e:
+                self.say(str(e))
+                return 2
         self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
+        self.store.set_if_absent("done", 0)  # so that the job's end never needs a new key
         threading.Thread(target=self._beat, daemon=True).start()
         if self.server is not None:
             threading.Thread(target=self._close_rounds, daemon=True).start()
@@ -494,7 +501,7 @@ class Agent:
                 continue
             address = f"{info['addr']}:{self._rdzv_port}"
             if k == self.id:
-                self.server = serve(address)
+                self.server = serve(address, own_job=self.rdzv_id)
                 if self.server is None:
                     self.say(f"cannot serve the rendezvous store on {address} (port taken)")
                     return False
@@ -504,6 +511,7 @@ class Agent:
                 self.store.set(f"r{self._round}/final", self._members)
                 self.store.set("moved", self._round + 1)
                 self.store.set("open", self._round + 1)
+                self.store.set_if_absent("done", 0)
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
                          f"it now on {address} (new agents: --rdzv-endpoint {address})")
