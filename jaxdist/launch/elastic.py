@@ -94,6 +94,7 @@ class Agent:
         self._stop: int | None = None
         self._last_order: int | None = None
         self._said_quorum: int | None = None
+        self._cleaned = 0  # rounds below this one have had their keys removed
         self.identity = _identity(launcher)
 
     def say(self, message: str) -> None:
@@ -150,6 +151,10 @@ class Agent:
                 order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
                 self.store.set(f"r{n}/final", [[k, ready[k]] for k in order])
                 self.store.set("open", n + 1)
+                # Rounds before the last are over: their keys go (a long job keeps a few).
+                for old in range(self._cleaned, n - 1):
+                    self.store.delete_prefix(f"r{old}/")
+                self._cleaned = max(self._cleaned, n - 1)
 
     def _refuse_mismatched(self, ready: dict, prev: list | None) -> dict:
         """Leaves out (and marks refused) the agents whose jaxdist or JAX version or devices per
