@@ -6,8 +6,8 @@ token embedding (Flax linen). Mixed precision as PyTorch's autocast does it: flo
 and residual stream, the matmuls and attention in bfloat16 (each layer's ``dtype``), the loss in
 float32; AdamW. Synthetic tokens made on the host from a fixed seed (no download).
 
-Default: 12 layers, d 768, 12 heads, seq 1024, vocab 32768 (GPT-2's 50257 rounded down to a
-power of two, as the 111 M reference figure used), batch 16 sequences = 16,384 tokens a step.
+Default: 12 layers, d 768, 12 heads, seq 1024, vocab 32768 (111.0 M parameters; GPT-2's 50257,
+``--vocab 50257``, makes 124 M), batch 16 sequences = 16,384 tokens a step.
 ``--tiny``: 2 layers, d 64, seq 64, vocab 512: seconds on a CPU (plumbing, not performance).
 
 Loops, all over the same batches in the same order from the same initial state, each timed after
@@ -183,8 +183,10 @@ def pick_attention(choice: str, cfg: dict) -> str:
     if jax.default_backend() != "gpu":
         return "xla"
     q = jnp.zeros((1, cfg["seq"], cfg["heads"], cfg["d_model"] // cfg["heads"]), cfg["dtype"])
-    loss = lambda q: jax.nn.dot_product_attention(  # noqa: E731
-        q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+    def loss(q):
+        return jax.nn.dot_product_attention(
+            q, q, q, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+
     try:
         jax.jit(jax.grad(loss)).lower(q).compile()
         return "cudnn"
@@ -198,7 +200,7 @@ def distance(a_leaves, b_leaves) -> float:
     """The L2 norm of the difference of two lists of arrays, all elements together."""
     import numpy as np
 
-    return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64) - b))
                              for a, b in zip(a_leaves, b_leaves))))
 
 
@@ -223,8 +225,9 @@ def run_inproc(cfg: dict, loops: list[str], ref_path: str | None) -> dict:
     import jaxdist
 
     cfg["attention"] = pick_attention(cfg["attention"], cfg)
+    print(f"attention: {cfg['attention']}", flush=True)
     host_state, train_step, masked_step, (x, y) = build(cfg)
-    devices = jax.devices()[:cfg["devices"]] if cfg.get("devices") else jax.devices()
+    devices = jax.devices()  # --devices N: N simulated CPU devices (set above)
     b, steps = cfg["batch"], cfg["steps"]
 
     mesh = jax.make_mesh((len(devices),), ("batch",), axis_types=(AxisType.Auto,), devices=devices)
@@ -347,7 +350,9 @@ def child(cfg: dict, params_path: str | None) -> None:
         if params_path:
             np.savez(params_path, *leaves)
         print(CHILD_TAG + json.dumps({
-            "times": timer.times, "window": timer.window, "tier": backup.memory.enabled,
+            # Whether the tier ran, where this jaxdist says so (not public API: None if not).
+            "times": timer.times, "window": timer.window,
+            "tier": getattr(getattr(backup, "memory", None), "enabled", None),
             "moved": distance(leaves, jax.tree.leaves(host_state.params)),
             "describe": describe(cfg, strategy.mesh.devices.flat, host_state)}), flush=True)
 
@@ -358,9 +363,8 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float) 
     env.pop("JAXDIST_MEMORY_TIER", None)
     if not tier:
         env["JAXDIST_MEMORY_TIER"] = "0"
-    if cfg.get("devices"):  # simulated CPU devices
-        env["JAX_NUM_CPU_DEVICES"] = str(cfg["devices"])
     cmd = [sys.executable, "-m", "jaxdist.launch", "-n", "1", "--timeout", str(timeout),
+           *(["--devices-per-process", str(cfg["devices"])] if cfg.get("devices") else []),
            os.path.abspath(__file__), "--child", "--config-json", json.dumps(cfg),
            *(["--params-out", params_path] if params_path else [])]
     t = time.perf_counter()
@@ -493,15 +497,16 @@ def report(res: dict) -> str:
         f"head), batch {cfg['batch']} ({cfg['batch'] * cfg['seq']:,} tokens a step), "
         f"{cfg['dtype']} compute / float32 params, AdamW; attention: {res.get('attention', '?')}",
         f"device: {res.get('num_devices', '?')} x {res.get('device_kind', '?')} "
-        f"({res.get('platform', '?')}); jax {res.get('jax', '?')}, jaxdist {res.get('jaxdist', '?')}"
-        f"; {what}",
+        f"({res.get('platform', '?')}); jax {res.get('jax', '?')}, "
+        f"jaxdist {res.get('jaxdist', '?')}; {what}",
         f"{cfg['steps']} steps a window x {cfg['reps']} interleaved reps; launched runs: "
         f"{cfg['launch_steps']} steps x {cfg['launch_reps']} rep(s) each, alternated; "
         f"MFU = tokens/s x (6 N + 12 L d T) = {res.get('flops_per_token', 0) / 1e6:.1f} MFLOP a "
         f"token / peak " + (f"{s['peak_tflops']:.0f} TFLOP/s (dense bf16)" if s["peak_tflops"]
                             else "(unknown chip or not bf16: no MFU)"),
         f"load average: {res.get('load', '?')}", "",
-        "| loop | tokens/s (median) | min..max | ÷ hand-written | MFU | step ms | host CPU ms/step |",
+        "| loop | tokens/s (median) | min..max | ÷ hand-written | MFU | step ms "
+        "| host CPU ms/step |",
         "|---|---|---|---|---|---|---|"]
     for name, r in s["rows"].items():
         ratio = f"{r['ratio_to_hand']:.3f}" if "ratio_to_hand" in r else "–"
@@ -512,8 +517,8 @@ def report(res: dict) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['min']:,.0f}..{r['max']:,.0f} | "
                      f"{ratio} | {mfu} | {r['step_s'] * 1e3:.2f} | {cpu} |")
     if "tier_step_time_ratio" in s:
-        lines += ["", f"in-memory tier cost (fit + BackupAndRestore, `jaxdist launch -n 1`): median "
-                      f"step {s['rows']['launch_tier_on']['step_s'] * 1e3:.2f} ms on vs "
+        lines += ["", "in-memory tier cost (fit + BackupAndRestore, `jaxdist launch -n 1`): "
+                      f"median step {s['rows']['launch_tier_on']['step_s'] * 1e3:.2f} ms on vs "
                       f"{s['rows']['launch_tier_off']['step_s'] * 1e3:.2f} ms off: step time x"
                       f"{s['tier_step_time_ratio']:.3f}, steps/s on ÷ off "
                       f"{s['tier_steps_per_s_ratio']:.3f}"]
@@ -549,7 +554,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, default=None,
                     help="simulated CPU devices (on an accelerator every local device is used)")
-    ap.add_argument("--parts", nargs="+", default=["inproc", "launch"], choices=("inproc", "launch"))
+    ap.add_argument("--parts", nargs="+", default=["inproc", "launch"],
+                    choices=("inproc", "launch"))
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                     help="in-process loops (hand always runs)")
     ap.add_argument("--tolerance", type=float, default=None,
@@ -583,7 +589,9 @@ def main() -> None:
             with open(path) as f:
                 part = json.load(f)
             part.pop("summary", None)
-            res = {**res, **part, "config": {**res.get("config", {}), **part["config"]}}
+            load = "; ".join(x for x in (res.get("load"), part.get("load")) if x)
+            res = {**res, **part, "config": {**res.get("config", {}), **part["config"]},
+                   "load": load}
     else:
         cfg = dict(TINY if args.tiny else DEFAULT)
         cfg.update({k: getattr(args, k) for k in DEFAULT if getattr(args, k) is not None})
@@ -595,8 +603,9 @@ def main() -> None:
         if cfg["steps"] < 1 or cfg["reps"] < 1 or cfg["launch_reps"] < 1 \
                 or cfg["launch_steps"] <= WARM_STEPS:
             raise SystemExit(f"--steps {cfg['steps']}, --reps {cfg['reps']}, --launch-reps "
-                             f"{cfg['launch_reps']}, --launch-steps {cfg['launch_steps']}: expected "
-                             f">= 1 each and --launch-steps > {WARM_STEPS} (the warm-up steps)")
+                             f"{cfg['launch_reps']}, --launch-steps {cfg['launch_steps']}: "
+                             f"expected >= 1 each and --launch-steps > {WARM_STEPS} (the warm-up "
+                             "steps)")
         cfg["num_batches"] = max(cfg["steps"], cfg["launch_steps"], WARM_STEPS)
         res = {"benchmark": "gpt", "config": cfg, "command": " ".join(sys.argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": _load()}
