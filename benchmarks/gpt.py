@@ -555,7 +555,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=None,
                     help="simulated CPU devices (on an accelerator every local device is used)")
     ap.add_argument("--parts", nargs="+", default=["inproc", "launch"],
-                    choices=("inproc", "launch"))
+                    choices=("inproc", "launch"),
+                    help="the in-process loops, the launched runs (tier on / off), or both")
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                     help="in-process loops (hand always runs)")
     ap.add_argument("--tolerance", type=float, default=None,
@@ -642,7 +643,8 @@ def main() -> None:
             save()
         if "launch" in args.parts:
             run_launch(cfg, tmp, ref, res.get("reference_moved"), args.part_timeout, res, save)
-        res["load"] += f" at the start, {_load()} at the end"
+        res["load"] = (f"{' + '.join(args.parts)}: {res['load']} at the start, {_load()} at the "
+                       "end")
     res["summary"] = summarize(res)
     print(report(res), flush=True)
     if args.json:

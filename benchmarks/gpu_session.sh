@@ -3,6 +3,7 @@
 # parameters), each part under its own time limit, every figure written under $OUT.
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh        # from the repository root
+#   GPT_ARGS=--tiny OUT=/tmp/x bash benchmarks/gpu_session.sh   # a dry run of the script on a CPU
 #
 # Needs no network: jax (with CUDA), flax, optax and orbax installed; jaxdist is this checkout
 # (PYTHONPATH=$PWD). At most 7 files under $OUT:
@@ -31,8 +32,9 @@ left() { echo $(( BUDGET - SECONDS )); }
 # run_part SECONDS NAME ARGS...: the benchmark under `timeout`, its output to $OUT/NAME.txt
 run_part() {
     local limit=$1 name=$2; shift 2
-    say "$name: start (limit ${limit}s): $PY benchmarks/gpt.py $*"
-    timeout -k 10 "$limit" "$PY" benchmarks/gpt.py "$@" --json "$OUT/$name.json" \
+    say "$name: start (limit ${limit}s): $PY benchmarks/gpt.py ${GPT_ARGS:-} $*"
+    # shellcheck disable=SC2086  # GPT_ARGS: words on purpose
+    timeout -k 10 "$limit" "$PY" benchmarks/gpt.py ${GPT_ARGS:-} "$@" --json "$OUT/$name.json" \
         > "$OUT/$name.txt" 2>&1
     local rc=$?
     say "$name: exit code $rc$([ $rc = 124 ] && echo ' (time limit)')"
