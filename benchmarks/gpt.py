@@ -37,8 +37,8 @@ table of known chips by ``jax.devices()[0].device_kind``; unknown chips get no M
 
 The loops must compute the same thing: after the run every loop's parameters are compared with the
 hand-written loop's (the launched runs' with a hand-written run of as many steps): the L2 distance
-over the L2 distance training moved them must stay under ``--tolerance``, else the script exits 1
-after printing its figures.
+over the L2 distance training moved them must stay under ``--tolerance``, else the script exits 3
+after printing its figures (4: a launched run failed; 1: a part could not run).
 
     python benchmarks/gpt.py [--tiny] [--json PATH] [--parts inproc launch] [--loops ...]
     python benchmarks/gpt.py --merge A.json B.json [--json PATH]   # figures of separate runs
@@ -312,13 +312,14 @@ def child(cfg: dict, params_path: str | None) -> None:
     """The launched training script: prints its step-end times on one line at the end."""
     import logging
 
+    # INFO: the lines jaxdist logs about its fault-tolerance tier reach the output (and the table).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     import jaxdist
 
     jaxdist.initialize()
     import jax
     import numpy as np
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg["attention"] = pick_attention(cfg["attention"], cfg)
     host_state, _, masked_step, data = build(cfg)
 
@@ -350,8 +351,8 @@ def child(cfg: dict, params_path: str | None) -> None:
         if params_path:
             np.savez(params_path, *leaves)
         print(CHILD_TAG + json.dumps({
-            # Whether the tier ran, where this jaxdist says so (not public API: None if not).
             "times": timer.times, "window": timer.window,
+            # Whether the tier ran, where this jaxdist says so (not public API: None if not).
             "tier": getattr(getattr(backup, "memory", None), "enabled", None),
             "moved": distance(leaves, jax.tree.leaves(host_state.params)),
             "describe": describe(cfg, strategy.mesh.devices.flat, host_state)}), flush=True)
@@ -388,7 +389,8 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float) 
     intervals = [b - a for a, b in zip(times, times[1:])]
     # Whatever the tier logs about itself (today's and the redesigned tier's lines alike).
     tier_log = sorted({re.sub(r"^\[\d+\]\s*", "", line).strip() for line in output.splitlines()
-                       if re.search(r"memory tier|memory state tier|in-memory", line, re.I)})
+                       if re.search(r"memory tier|memory state tier|in-memory|at most \d+ step",
+                                    line, re.IGNORECASE)})
     return {"step_s": (end - start) / (cfg["launch_steps"] - WARM_STEPS), "intervals": intervals,
             "tier_enabled": got["tier"], "tier_log": tier_log, "moved": got["moved"],
             "describe": got["describe"], "wall_s": time.perf_counter() - t}
@@ -650,11 +652,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    if res.get("launch_errors"):
-        raise SystemExit(f"{len(res['launch_errors'])} launched run(s) failed (see above)")
+    # Exit codes after a printed report: 3 the loops disagree, 4 a launched run failed (a part
+    # that could not run at all exits 1, as any Python error does).
     if not res["summary"]["same_numbers_ok"]:
-        raise SystemExit("the loops did not compute the same thing (see 'same numbers' above): "
-                         "their figures do not compare like with like")
+        print("the loops did not compute the same thing (see 'same numbers' above): their figures "
+              "do not compare like with like", file=sys.stderr)
+        raise SystemExit(3)
+    if res.get("launch_errors"):
+        print(f"{len(res['launch_errors'])} launched run(s) failed (see above)", file=sys.stderr)
+        raise SystemExit(4)
 
 
 def _load() -> str:
