@@ -91,8 +91,15 @@ def allgather_json(value: Any) -> list[Any]:
     return [json.loads(rows[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
 
 
-def check_same_state(fingerprint: str, desc: list, holds: bool) -> None:
-    """Step 1: raises in the process whose state differs, and in the others (to re-form)."""
+def check_same_state(directory: str, target: Any) -> None:
+    """Step 1: raises in the process whose state differs, and in the others (to re-form).
+
+    Call it before anything that depends on the state's shapes runs across processes (placing
+    the state the strategy's way is such a collective)."""
+    if jax.process_count() == 1:
+        return
+    fingerprint, desc = describe(target)
+    holds = any(h.get("fingerprint") == fingerprint for _, _, h in _slots.slots(directory))
     everyone = allgather_json({"fp": fingerprint, "desc": desc, "holds": holds})
     if len({e["fp"] for e in everyone}) == 1:
         return
@@ -295,8 +302,6 @@ def resume(directory: str, target: Any, target_leaves: list) -> tuple[int, list,
     for attempt in range(3):
         held = [(d, s, h) for d, s, h in _slots.slots(directory)
                 if h.get("fingerprint") == fingerprint and (d, s) not in bad]
-        if attempt == 0 and jax.process_count() > 1:
-            check_same_state(fingerprint, desc, bool(held))
         summaries = allgather_json(_summary(held))
         step, passed = best_step(summaries, shapes)
         if passed:

@@ -304,6 +304,8 @@ class Agent:
                 refused = self.store.get(f"rejected/{self.id}")
                 if refused:
                     raise Refused(refused)
+                if self.store.get("done"):
+                    return None  # the job ended while this agent waited: nothing to join
                 quorum = self.store.get("quorum")
                 waiting = quorum is not None and quorum.get("round") == n
                 if len(self._alive_agents()) >= self.min and not waiting:

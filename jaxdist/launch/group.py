@@ -268,15 +268,19 @@ class _Launcher:
         the step it failed after (a fault that comes back is the same on all three)."""
         errors = tuple(self.last_error(r) for r in ranks)
         known = [v for v in steps.values() if v is not None]
+        step = max(known, default=None)
+        # A process that raised the same error is the same fault wherever it struck; one killed
+        # (by a signal, or hung) is the same only at the same step (an OOM at one batch, say).
+        where = None if any(errors) else step
         self._failures.append((re.sub(r"pid \d+|[\d.]+ s\b", "", description), errors,
-                               max(known, default=None), description))
+                               where, description, step))
 
     def repeated(self, failure: str) -> bool:
         """True (after saying so) when the last two failures were the same: retrying a fault
         that comes back the same way spends every restart and helps nothing."""
         if len(self._failures) < 2 or self._failures[-1][:3] != self._failures[-2][:3]:
             return False
-        _, errors, step, _ = self._failures[-1]
+        _, errors, _, _, step = self._failures[-1]
         error = next((e for e in errors if e), None)
         where = f"after step {step}" if step is not None else "before any step"
         self.say(f"the same failure twice in a row ({failure}, {where}"

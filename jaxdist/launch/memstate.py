@@ -642,17 +642,18 @@ class StateTier:
         """
         if self.directory is None:
             return None
-        if strategy is not None:
-            target = strategy.put(target)
-        tleaves, treedef, statics = split_static(target)
         try:
-            found = _assemble.resume(self.directory, target, list(tleaves))
+            _assemble.check_same_state(self.directory, target)
         except StateMismatchError as e:
             self._outcome({"rejected": str(e)})
             raise
         except RejoinRequired:
             self._outcome({"reform": "another process's state differs from the job's"})
             raise
+        if strategy is not None:
+            target = strategy.put(target)
+        tleaves, treedef, statics = split_static(target)
+        found = _assemble.resume(self.directory, target, list(tleaves))
         if found is None:
             return None
         step, leaves, data, how = found
