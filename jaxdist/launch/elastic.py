@@ -330,7 +330,8 @@ class Agent:
                  f"{coordinator}")
         state_dir = self.l._state_dir
         for path in [stop_path(state_dir)] + [
-                heartbeat_path(state_dir, r) for r in range(first, first + self.nproc)]:
+                p for r in range(first, first + self.nproc)
+                for p in (heartbeat_path(state_dir, r), memstate.outcome_path(state_dir, r))]:
             try:
                 os.remove(path)
             except FileNotFoundError:
@@ -418,7 +419,7 @@ class Agent:
             try:
                 failed = self.store.get(f"r{n}/failed")
                 alive = {k: age for k, (_, age) in self.store.list("alive/").items()}
-                leaving = set(self.store.list("leaving/"))
+                leaving = set(self.store.list("leaving/")) | set(self.store.list("rejected/"))
                 joiners = [k for k in self.store.list(f"r{n + 1}/member/") if k not in ids]
                 stop = self.store.get(f"r{n}/drain")
                 done = self.store.get("done")

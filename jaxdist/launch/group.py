@@ -379,10 +379,12 @@ class _Launcher:
         readers: list[threading.Thread] = []
         try:
             for rank in range(n if self._state_dir is not None else 0):
-                try:  # a heartbeat of the previous attempt must not count for this one
-                    os.remove(heartbeat_path(self._state_dir, rank))
-                except FileNotFoundError:
-                    pass
+                for path in (heartbeat_path(self._state_dir, rank),
+                             memstate.outcome_path(self._state_dir, rank)):
+                    try:  # what the previous attempt reported must not count for this one
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
             for rank in range(n):
                 env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
                 procs.append(self.spawn(str(rank), env, readers))
