@@ -51,12 +51,12 @@ def main() -> None:
                                                       precision=precision))
 
     def make_step(k):
-        return jax.jit(functools.partial(models.classifier_train_step, accumulate=k),
-                       donate_argnums=0)
+        # the public distributed step (what `@jaxdist.mirrored` builds): it traces the step in the
+        # strategy's replica context itself, which accumulation needs to split each replica's rows
+        return strategy.step(functools.partial(models.classifier_train_step, accumulate=k))
 
     def memory(step, state, on=None):
-        with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
-            m = step.lower(state, batch if on is None else on).compile().memory_analysis()
+        m = step.lower(state, batch if on is None else on).compile().memory_analysis()
         return m.temp_size_in_bytes, m.argument_size_in_bytes
 
     def run(step, state):
@@ -80,8 +80,7 @@ def main() -> None:
             order = names if r % 2 == 0 else names[::-1]
             got = {}
             for n in order:
-                with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
-                    got[n], states[n] = run(variants[n][0], states[n])
+                got[n], states[n] = run(variants[n][0], states[n])
                 times[n].append(got[n])
             for n in ratios:
                 ratios[n].append(got[n] / got[baseline])
