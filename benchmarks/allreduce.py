@@ -8,7 +8,7 @@ nccl-tests definition) and the ratio of that bandwidth to psum's. Then it measur
 `pack_bytes` does to a pytree of many small leaves: collectives in the compiled program, and time.
 
     python benchmarks/allreduce.py           # 4 KiB .. 64 MiB, 200 leaves: minutes on 2 cores
-    python benchmarks/allreduce.py --quick   # 4 and 64 KiB, 16 leaves: the plumbing, seconds
+    python benchmarks/allreduce.py --quick   # 4 to 64 KiB, 16 leaves: the plumbing, seconds
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a check of the plumbing in seconds: every implementation and both "
-                             "sections at tiny sizes (4 and 64 KiB, 16 leaves, 3 repetitions)")
+                             "sections at tiny sizes (4 to 64 KiB, 16 leaves, 3 repetitions)")
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per measurement")
     parser.add_argument("--max-bytes", type=int, default=2**26,
                         help="largest message per replica (sizes 4 KiB, 16 KiB, ... up to it)")

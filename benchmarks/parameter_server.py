@@ -83,18 +83,24 @@ def start_server(addr: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL)
 
 
-def init_server(addr: str, params, nbytes: int, tls) -> GrpcClient:
-    client = GrpcClient(addr, token=TOKEN, timeout=30, tls=tls)
-    deadline = time.time() + 60
+def until_up(call, seconds: float = 60.0):
+    """``call()``, retried while its server cannot be reached: one starting up, or one on a
+    loaded machine, where a gRPC connection has been seen to take over 20 s to open."""
+    deadline = time.time() + seconds
     while True:
         try:
-            client.init(0, params, optimizer("sgd", learning_rate=0.1),
-                        ServerConfig(max_push_bytes=2 * nbytes))
-            return client
+            return call()
         except ConnectionError:
             if time.time() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def init_server(addr: str, params, nbytes: int, tls) -> GrpcClient:
+    client = GrpcClient(addr, token=TOKEN, timeout=30, tls=tls)
+    until_up(lambda: client.init(0, params, optimizer("sgd", learning_rate=0.1),
+                                 ServerConfig(max_push_bytes=2 * nbytes)))
+    return client
 
 
 def model(mb: float) -> dict[str, np.ndarray]:
@@ -131,15 +137,7 @@ def run_raw_echo(params: dict[str, np.ndarray], seconds: float) -> float:
                              str(len(payload))], stdout=subprocess.DEVNULL)
     try:
         ch = Channel(addr, "bench.Echo", token=TOKEN)
-        deadline = time.time() + 60
-        while True:
-            try:
-                ch.call("Pull", b"", timeout=5)
-                break
-            except ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
+        until_up(lambda: ch.call("Pull", b"", timeout=5))
         cycles, end = 0, time.time() + seconds
         while time.time() < end:
             ch.call("Pull", b"")
@@ -229,7 +227,7 @@ def main(argv=None) -> int:
         return 0
     if a._worker:
         client = GrpcClient(a._worker, token=TOKEN, timeout=30, tls=TLSConfig.from_env())
-        client.status()
+        until_up(client.status)
         print(json.dumps(worker_loop(client, a._index, a.seconds, a.compute_ms / 1e3,
                                      a._start)))
         return 0

@@ -13,7 +13,7 @@ then measures those steps and prints predicted vs measured. The 4-device and 4-p
 extrapolate the 2-participant link; the 8-device case extrapolates it 4x.
 
     python benchmarks/planner.py [--batch 64] [--procs 2,4] [--out benchmarks/results]
-    python benchmarks/planner.py --quick   # every row, short windows: the plumbing, not a figure
+    python benchmarks/planner.py --quick   # every row, short windows: the plumbing, under a minute
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", default="2,4")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true",
-                    help="a check of the plumbing in seconds: every row, one short window per "
-                         "measurement (its errors are not a result)")
+                    help="a check of the plumbing in under a minute: every row (the 2- and "
+                         "4-process jobs too), one short window per measurement (its errors are "
+                         "not a result)")
     ap.add_argument("--proc-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.proc_worker:
