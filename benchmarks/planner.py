@@ -31,8 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # How long each measurement is: windows x steps of a data-parallel step, the one-device step's
 # (steps, windows), the all-reduce's message sizes and calls per size.
-FULL = dict(windows=5, steps=16, one_device=(20, 3), sizes=(2**16, 2**20, 2**22), ar_reps=5)
-QUICK = dict(windows=1, steps=4, one_device=(4, 1), sizes=(2**12, 2**16), ar_reps=1)
+FULL = {"windows": 5, "steps": 16, "one_device": (20, 3), "sizes": (2**16, 2**20, 2**22),
+        "ar_reps": 5}
+QUICK = {"windows": 1, "steps": 4, "one_device": (4, 1), "sizes": (2**12, 2**16), "ar_reps": 1}
 
 
 def _mlp_parts(batch: int, n_devices: int):

@@ -86,7 +86,7 @@ def test_checkpoint_quick_saves_and_restores_in_every_mode():
     assert m, out
     _positive(m.group(1), "async blocking / sync save")
     m = re.search(rf"with / without digests: async blocking {NUM}, async total {NUM}, "
-                  rf"sync save {NUM}, restore {NUM}$", out, re.M)
+                  rf"sync save {NUM}, restore {NUM}$", out, re.MULTILINE)
     assert m, out
     for ratio in m.groups():
         _positive(ratio, "with / without digests")
@@ -103,7 +103,7 @@ def test_precision_quick_measures_every_policy_and_accumulation():
         for v in values:
             _positive(v, name)
     memory = re.findall(rf"^  (\S+)\s+(k=\d)  temp\s+{NUM} MiB \(x{NUM}\)  args\s+{NUM} MiB$",
-                        out.split("[memory only")[1], re.M)
+                        out.split("[memory only")[1], re.MULTILINE)
     assert [f"{p} {k}" for p, k, *_ in memory] == [
         "float32 k=1", "mixed_bfloat16 k=1", "mixed_float16 k=1", "float32 k=2", "float32 k=4",
         "float32 k=8", "mixed_bfloat16 k=8"], out
@@ -147,7 +147,7 @@ def test_parameter_server_quick_measures_every_row_and_the_echo_ceiling():
     assert len(ratios) == 4, out
     for name, (ratio,) in ratios.items():
         _positive(ratio, f"{name} 2 workers / 1")
-    m = re.search(rf"parameter server 1 worker / echo: {NUM}$", out, re.M)
+    m = re.search(rf"parameter server 1 worker / echo: {NUM}$", out, re.MULTILINE)
     assert m, out
     _positive(m.group(1), "parameter server / echo")
 
