@@ -3,7 +3,8 @@ its ratios. Plumbing, not figures: no ratio's value is asserted, only that each 
 a finite positive number (or, for the planner's errors, a finite one).
 
 overhead.py and cnn_pool.py are in test_bench_smoke.py, peers.py in test_peers_bench.py,
-multiproc.py in test_multiproc_bench.py, sharding.py in test_zero_bench.py.
+multiproc.py in test_multiproc_bench.py, sharding.py in test_zero_bench.py, gpt.py (``--tiny``) in
+test_gpt_bench.py.
 """
 
 from __future__ import annotations
