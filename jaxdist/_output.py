@@ -106,7 +106,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-# --- the values command lines accept ---------------------------------------------------------------
+# --- the values command lines accept ----------------------------------------------------------
 
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

@@ -138,8 +138,8 @@ def test_resume_is_a_value_a_callback_returns(digits):
 
 def test_a_second_fit_names_checkpoints_by_the_states_step(tmp_path, digits):
     # before: the second fit, continuing from state.step 12, wrote step 12 again (this fit's
-    # count), over the first fit's checkpoint; API.md: "ModelCheckpoint names checkpoints by
-    # state.step"
+    # count), over the first fit's checkpoint; the API contract says "ModelCheckpoint names
+    # checkpoints by state.step"
     first = _fit(digits, [ModelCheckpoint(tmp_path, max_to_keep=None, async_save=False)], epochs=1)
     assert int(first.state.step) == STEPS_PER_EPOCH
     (x, y), _ = digits

@@ -149,7 +149,7 @@ class ModelCheckpoint(Callback):
         return min(seen) if self.mode == "min" else max(seen)
 
     def on_train_begin(self, info: TrainInfo) -> None:
-        # Checkpoints are named by the state's own step (API.md), not by this fit's count: a
+        # Checkpoints are named by the state's own step (the API's promise), not this fit's count: a
         # second fit continuing from a state at step 12 writes 24, not 12 over the first fit's.
         # Read once here (a host sync); a state without an integer ``step`` keeps fit's count.
         self._step_offset = _state_step(info.state, info.step) - info.step

@@ -440,8 +440,8 @@ def train(args: argparse.Namespace) -> int:
     strategy = _strategy(args, None if args.strategy in ("multi_worker", "tpu") else
                          _select_devices(args.devices))
     n = strategy.num_replicas_in_sync
+    num_classes = _num_classes(args, y, yt)  # labels first: a wrong file beats a batch size
     _check_batch_against_data(args, len(x), n)
-    num_classes = _num_classes(args, y, yt)
     cbs = _callbacks(args)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"jaxdist {jaxdist.__version__}: {type(strategy).__name__} over {n} "
