@@ -75,6 +75,11 @@ class ModelCheckpoint(Callback):
     ``monitor`` (steps saved without it are kept too). A checkpoint restores for inference without a
     template: ``CheckpointManager(directory).restore()["params"]``.
 
+    Checkpoints are named by the state's own step (``state.step``, read once when training
+    begins), so a second ``fit`` that continues a state at step 12 writes 24, 36, ..., never over
+    the first fit's; step periods (``save_freq=N``) count that step too. A state without an
+    integer ``step`` attribute (a ``(model, optimizer)`` tuple, say) is named by ``fit``'s count.
+
     Args:
       directory: checkpoint directory (shared by all processes).
       monitor, mode, save_best_only: as Keras's ``ModelCheckpoint``.
@@ -132,6 +137,8 @@ class ModelCheckpoint(Callback):
                                          best_mode=self.mode)
         self._last_saved: int | None = self.manager.latest_step()
         self.saved: list[SaveCandidate] = []
+        # state.step - fit's step count, read once at train begin (see on_train_begin).
+        self._step_offset = 0
 
     @property
     def best(self) -> float | None:
@@ -142,6 +149,10 @@ class ModelCheckpoint(Callback):
         return min(seen) if self.mode == "min" else max(seen)
 
     def on_train_begin(self, info: TrainInfo) -> None:
+        # Checkpoints are named by the state's own step (the API's promise), not this fit's count: a
+        # second fit continuing from a state at step 12 writes 24, not 12 over the first fit's.
+        # Read once here (a host sync); a state without an integer ``step`` keeps fit's count.
+        self._step_offset = _state_step(info.state, info.step) - info.step
         # A resumed run compares against what the earlier run saved (its logs are in the metadata).
         self.saved = []
         for step in self.manager.all_steps():
@@ -154,11 +165,12 @@ class ModelCheckpoint(Callback):
                                             logs=dict(user.get("logs") or {})))
 
     def _candidate(self, info: TrainInfo, epoch_done: bool) -> SaveCandidate:
-        return SaveCandidate(step=info.step, epoch=info.epoch, epoch_end=epoch_done,
-                             logs={k: float(v) for k, v in info.logs.items()})
+        return SaveCandidate(step=info.step + self._step_offset, epoch=info.epoch,
+                             epoch_end=epoch_done, logs={k: float(v) for k, v in info.logs.items()})
 
     def _save(self, info: TrainInfo, *, epoch_done: bool = False) -> None:
-        if info.step == self._last_saved:
+        step = info.step + self._step_offset
+        if step == self._last_saved:
             return
         cand = self._candidate(info, epoch_done)
         # After an epoch ends, the next batch to train on is the first of the next epoch.
@@ -166,14 +178,14 @@ class ModelCheckpoint(Callback):
                 else info.iterator.state() if info.iterator is not None else None)
         metrics = ({self.monitor: cand.logs[self.monitor]}
                    if self._keep_best and self.monitor in cand.logs else None)
-        self.manager.save(info.step, info.state, data_state=data, metrics=metrics,
+        self.manager.save(step, info.state, data_state=data, metrics=metrics,
                           metadata={"logs": dict(cand.logs), "epoch": info.epoch,
                                     "epoch_end": epoch_done})
-        self._last_saved = info.step
+        self._last_saved = step
         self.saved.append(cand)
 
     def _consider(self, info: TrainInfo, epoch_done: bool) -> None:
-        if info.step != self._last_saved and self.policy.should_save(
+        if info.step + self._step_offset != self._last_saved and self.policy.should_save(
                 self._candidate(info, epoch_done), tuple(self.saved)):
             self._save(info, epoch_done=epoch_done)
 
@@ -190,6 +202,18 @@ class ModelCheckpoint(Callback):
 
             # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
             mark_final(self.manager.directory, self._last_saved)
+
+
+def _state_step(state, default: int) -> int:
+    """``state.step`` as an int (flax's ``TrainState`` and its kind), else ``default``."""
+    import numpy as np
+
+    step = getattr(state, "step", None)
+    try:
+        value = np.asarray(jax.device_get(step))
+    except Exception:  # noqa: BLE001 - not an array (a method, None): no step of its own
+        return default
+    return int(value) if value.ndim == 0 and value.dtype.kind in "iu" else default
 
 
 class BackupAndRestore(ModelCheckpoint):
