@@ -212,7 +212,7 @@ def test_a_bare_jax_array_is_an_in_memory_dataset():
 def test_host_rows_are_gathered_into_aligned_buffers():
     # XLA:CPU places 64-byte-aligned host buffers without copying them; every leaf dtype and shape
     # still comes out equal to a[idx], and object arrays fall back to plain indexing.
-    from jaxdist.input import _ALIGN, _take_rows
+    from jaxdist.input.dataset import _ALIGN, _take_rows
 
     rng = np.random.default_rng(0)
     tree = {"x": rng.normal(size=(37, 3, 5)).astype(np.float32), "y": np.arange(37, dtype=np.int8),
