@@ -502,13 +502,15 @@ class StateTier:
                 if not self._copies:
                     return
                 copy, force = self._copies[0]
+            arrays = [d for x in copy.host if isinstance(x, _Blocks) for d in x.data]
             try:
-                jax.block_until_ready([d for x in copy.host if isinstance(x, _Blocks)
-                                       for d in x.data])
+                waited = not all(a.is_ready() for a in arrays)
+                jax.block_until_ready(arrays)
             except Exception as e:  # noqa: BLE001 - the tier never stops training
                 self._off(f"a copy to host memory failed ({type(e).__name__}: {e})")
                 continue
-            self._cadence.on_done(copy.step)
+            if waited:  # only then is now the time its step finished (else: some time before)
+                self._cadence.on_done(copy.step)
             with self._cond:
                 if self._copies and self._copies[0][0] is copy:
                     self._copies.popleft()
