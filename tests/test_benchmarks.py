@@ -4,7 +4,8 @@ a finite positive number (or, for the planner's errors, a finite one).
 
 overhead.py and cnn_pool.py are in test_bench_smoke.py, peers.py in test_peers_bench.py,
 multiproc.py in test_multiproc_bench.py, sharding.py in test_zero_bench.py, gpt.py (``--tiny``) in
-test_gpt_bench.py.
+test_gpt_bench.py. fault_tolerance.py's scenarios (minutes of elastic jobs) are covered by
+the tests they came from (test_elastic*.py); its `--tier-cost --quick` is here.
 """
 
 from __future__ import annotations
@@ -166,3 +167,18 @@ def test_planner_quick_predicts_and_measures_every_job():
         for v in r[2:7]:  # compute parallelism, predicted compute/all-reduce/step, measured step
             _positive(v, r[0])
         _finite(r[7], f"{r[0]} error")
+
+
+@pytest.mark.multiprocess
+def test_fault_tolerance_tier_cost_quick_times_the_tier_on_and_off_and_a_sigkill():
+    out = _bench("fault_tolerance", "--tier-cost", timeout=900)
+    rows = _rows(r"\| (off|on) [^|]*\| " + NUM + r" \| [^|]* \| " + NUM + r" \|", out)
+    assert sorted(rows) == ["off", "on"], out
+    for mode, (rate, ratio) in rows.items():
+        _positive(rate, f"{mode} steps/s")
+        _positive(ratio, f"{mode} ratio")
+    assert re.search(r"The launcher announced: in-memory tier \(rank 0\): .* a failure costs at "
+                     r"most \d+ step", out), out
+    m = re.search(r"SIGKILL of rank 1 after step (\d+): resumed from memory step (\d+), (\d+) "
+                  r"step\(s\) computed again \(announced bound: (\d+); within it\)", out)
+    assert m, out
