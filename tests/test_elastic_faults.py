@@ -45,7 +45,7 @@ def test_a_joining_host_that_does_not_match_is_refused_and_the_job_goes_on(tmp_p
                          r"2\)", hosts.text(2)), hosts.text(2)
     assert "round 0 failed" not in hosts.text(0)
     # the two hosts stopped at the agreed step for the joiner, then went on from exactly there
-    stop = int(re.search(r"asking every process to stop at step (\d+)", hosts.text(0))[1])
+    stop = int(re.search(r"asking every process to stop at step (\d+)", hosts.text())[1])
     resumed = [int(s) for s in re.findall(r"attempt \d+ resumed from memory step (\d+)",
                                             hosts.text(0))]
     assert resumed == [stop], hosts.text(0)
@@ -109,3 +109,38 @@ def test_a_minority_of_the_last_round_does_not_go_on_alone(tmp_path):
     assert re.search(r"only 2 of the last round's 4 host\(s\) are here: a network partition "
                      r"may be splitting the job", hosts.text(2) + hosts.text(3)), hosts.text()
     assert "round 1:" not in hosts.text(2) + hosts.text(3)
+
+
+def test_a_rank_stuck_on_another_host_is_named_by_every_host(tmp_path, reference):
+    # before: each agent saw only its own ranks, none was named, and no stack was shown
+    hosts = Hosts(tmp_path, last_call=1)
+    for _ in range(2):
+        hosts.start(script_args=["--fault", "stuck", "--rank", "1", "--at", "5"],
+                    launch_args=["--hang-timeout", "6"])
+    codes = hosts.finish()
+    assert codes == [0, 0], hosts.text()
+    out = hosts.text()
+    assert re.search(r"rank 1 is the one the others wait for: it dispatched \d+ steps, ranks "
+                     r"\[0\] dispatched \d+", out), out
+    assert re.search(r"\[1\]   File \".*ft_train\.py\", line \d+ in "
+                     r"wait_for_input_that_never_comes", out), out
+    assert re.search(r"\[0\]   File \".*\", line \d+ in ", out), out  # the waiting host's too
+    _check_final(hosts, reference)
+
+
+def test_a_host_joins_a_sharded_job_and_the_state_is_put_together_over_the_network(
+        tmp_path, reference):
+    # before: zero_stage 1-3 switched the tier off: the re-formed job went back to the backup
+    slow = ["--epochs", "4", "--sleep", "0.3", "--zero-stage", "1"]
+    hosts = Hosts(tmp_path, last_call=1)
+    for _ in range(2):
+        hosts.start(train=slow)
+    hosts.wait_for(0, r"round 0: 2 host\(s\)")
+    hosts.wait_for(0, r"\[0\] trained step 4 ")
+    hosts.start(train=slow)
+    codes = hosts.finish()
+    assert codes == [0, 0, 0], hosts.text()
+    stop = int(re.search(r"asking every process to stop at step (\d+)", hosts.text())[1])
+    assert re.search(rf"attempt 1 resumed from memory step {stop}\b", hosts.text(0)), hosts.text(0)
+    assert "in-memory state tier is off" not in hosts.text()
+    _check_final(hosts, reference)
