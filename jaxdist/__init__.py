@@ -6,7 +6,6 @@
 """
 
 from jaxdist import _compat
-from jaxdist.launch import heartbeat as _heartbeat
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
 from jaxdist import ps as ps
@@ -26,6 +25,7 @@ from jaxdist.input.local import FileSource as FileSource
 from jaxdist.input.local import InputSyncTimeoutError as InputSyncTimeoutError
 from jaxdist.input.local import ShardableSource as ShardableSource
 from jaxdist.launch import cluster as cluster
+from jaxdist.launch import heartbeat as _heartbeat
 from jaxdist.launch.cluster import ClusterSpec as ClusterSpec
 from jaxdist.launch.runtime import barrier as barrier
 from jaxdist.launch.runtime import initialize as initialize

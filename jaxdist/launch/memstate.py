@@ -38,10 +38,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import os
 import shutil
-import statistics
 import threading
 import time
 from collections.abc import Mapping
@@ -55,6 +53,22 @@ from jaxdist.core.values import is_static_leaf, join_static, split_static
 from jaxdist.launch import _assemble, _slots
 from jaxdist.launch._assemble import RejoinRequired as RejoinRequired
 from jaxdist.launch._assemble import StateMismatchError as StateMismatchError
+from jaxdist.launch._cadence import _Cadence
+from jaxdist.launch._copies import _arrays, _Blocks, _blocks, _Elsewhere, _my_bytes, _pinned_copy
+from jaxdist.launch._copies import _writes_replicated
+from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch._tierfiles import _fmt, _read_token
+from jaxdist.launch._tierfiles import describe_tier as describe_tier
+from jaxdist.launch._tierfiles import flush_path as flush_path
+from jaxdist.launch._tierfiles import flushed as flushed
+from jaxdist.launch._tierfiles import outcome_path as outcome_path
+from jaxdist.launch._tierfiles import read_outcome as read_outcome
+from jaxdist.launch._tierfiles import read_tier as read_tier
+from jaxdist.launch._tierfiles import request_flush as request_flush
+from jaxdist.launch._tierfiles import stop_path as stop_path
+from jaxdist.launch._tierfiles import tier_path as tier_path
+from jaxdist.launch._tierfiles import watches_flush as watches_flush
+from jaxdist.launch._tierfiles import write_stop as write_stop
 from jaxdist.launch.heartbeat import ENV_STATE_DIR as ENV_STATE_DIR
 from jaxdist.launch.heartbeat import heartbeat_path as heartbeat_path
 from jaxdist.launch.heartbeat import read_heartbeat as read_heartbeat
@@ -66,7 +80,6 @@ ENV_EVERY = "JAXDIST_MEMORY_TIER_EVERY"
 """Snapshot every N steps instead of the measured cadence (``1``: every step)."""
 ENV_BUDGET = "JAXDIST_MEMORY_TIER_BUDGET"
 """The share of steps/s the tier may cost (default 0.05)."""
-DEFAULT_BUDGET = 0.05
 _MARGIN = 64 << 20  # room left free in the directory beyond two slots
 _PENDING_SMALL = 64 << 20  # host memory small snapshots' copies may hold while they wait
 _write_atomic = write_atomic  # the name tests and older code use
@@ -87,97 +100,6 @@ class Snapshot(NamedTuple):
     state: PyTree
     data_state: dict | None
     source: int
-
-
-def stop_path(directory: str) -> str:
-    """Where the elastic agent writes the step every process of this host stops at."""
-    return os.path.join(directory, "stop")
-
-
-def write_stop(directory: str, step: int) -> None:
-    """Asks every process of this host to stop after ``step`` (read by ``StateTier.stop_step``)."""
-    write_atomic(stop_path(directory), str(int(step)).encode())
-
-
-def flush_path(directory: str) -> str:
-    """Where the launcher asks every process of its host to write its newest copy now."""
-    return os.path.join(directory, "flush")
-
-
-def request_flush(directory: str) -> str:
-    """Asks this host's processes to write their newest copy; returns the request's token (each
-    process answers in ``<rank>/flushed``)."""
-    token = f"{time.time_ns()}"
-    write_atomic(flush_path(directory), token.encode())
-    return token
-
-
-def flushed(directory: str, rank: int | str, token: str) -> bool:
-    """Whether process ``rank`` has answered flush request ``token``."""
-    return _read_token(os.path.join(directory, str(rank), "flushed")) == token
-
-
-def watches_flush(directory: str, rank: int | str) -> bool:
-    """Whether process ``rank`` has a tier that answers flush requests."""
-    return os.path.exists(os.path.join(directory, str(rank), "flush-watch"))
-
-
-def _read_token(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().split()[0].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
-        return None
-
-
-def tier_path(directory: str, rank: int | str) -> str:
-    """Where process ``rank`` says what its tier does (size, cadence, the bound on lost steps)."""
-    return os.path.join(directory, str(rank), "tier.json")
-
-
-def read_tier(directory: str, rank: int | str) -> dict | None:
-    """Process ``rank``'s ``tier.json`` (None before its tier measured itself)."""
-    try:
-        with open(tier_path(directory, rank), "rb") as f:
-            value = json.loads(f.read())
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def describe_tier(info: Mapping[str, Any]) -> str:
-    """The launcher's line for a tier's ``tier.json``.
-
-    >>> describe_tier({"bytes": 245e6, "copy_every": 2, "every": 8, "bound": 2, "bound_all": 9,
-    ...                "cost_s": 0.012, "step_s": 0.3, "budget": 0.05, "fixed": False})
-    'in-memory tier (rank 0): 245.0 MB, copied to host memory every 2 step(s) and written to the state directory every 8, costing about 0.012 s a step against 0.3 s steps (budget 5% of steps/s); a failure costs at most 2 step(s), or 9 when no process of the job survives it'
-    """
-    if info.get("fixed"):
-        why = "as JAXDIST_MEMORY_TIER_EVERY asks"
-    else:
-        why = f"budget {info.get('budget', DEFAULT_BUDGET):.0%} of steps/s"
-    return (f"in-memory tier (rank 0): {_fmt(info.get('bytes', 0))}, copied to host memory every "
-            f"{info.get('copy_every')} step(s) and written to the state directory every "
-            f"{info.get('every')}, costing about {info.get('cost_s') or 0:.2g} s a step against "
-            f"{info.get('step_s') or 0:.2g} s steps ({why}); a failure costs at most "
-            f"{info.get('bound')} step(s), or {info.get('bound_all')} when no process of the job "
-            "survives it")
-
-
-def outcome_path(directory: str, rank: int | str) -> str:
-    """Where process ``rank`` says why it ended early: refused (another state than the job's),
-    or ending so that the job re-forms without a refused process."""
-    return os.path.join(directory, str(rank), "outcome.json")
-
-
-def read_outcome(directory: str, rank: int | str) -> dict | None:
-    """Process ``rank``'s ``outcome.json`` (None if it wrote none)."""
-    try:
-        with open(outcome_path(directory, rank), "rb") as f:
-            value = json.loads(f.read())
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 def _env_number(name: str, kind: type, default: Any, ok) -> Any:
@@ -201,86 +123,6 @@ def _positive_int(v):
 def _fraction(v):
     """a number in (0, 1), e.g. 0.05 for 5% of steps/s"""
     return 0 < v < 1
-
-
-class _Cadence:
-    """How often to copy and how often to persist, from measured costs (see the module's
-    docstring).
-
-    A host copy costs the loop its dispatch (measured in :meth:`StateTier.save`) and, where the
-    devices are the host's own cores (XLA:CPU), the memory copy itself (estimated from the bytes
-    and the copy speed the writer measures). A persist costs, on XLA:CPU, the writer thread's CPU
-    time (``time.thread_time``: steady however busy the machine is); elsewhere it runs beside the
-    devices. The first persist (first-use setup) is not counted.
-    """
-
-    def __init__(self, every: int | None, budget: float, host_is_device: bool, nbytes: int):
-        self.every, self.budget, self.host_is_device = every, budget, host_is_device
-        self.nbytes = nbytes
-        self._steps: collections.deque = collections.deque(maxlen=64)  # seconds per step
-        self._last_call: tuple[float, int] | None = None
-        self._loops: collections.deque = collections.deque(maxlen=9)
-        self._persists: collections.deque = collections.deque(maxlen=5)  # (cpu s, wall s)
-        self._seen = 0
-        self.copy_every = self.k = every or 1
-        self.bound = self.bound_all = None
-        self.parts: dict[str, float] = {}
-
-    def on_done(self, step: int) -> None:
-        """The copy of ``step`` is done, so the step is: steps are timed as the devices finish
-        them (the loop's own calls come in bursts while it runs ahead of the devices)."""
-        now = time.perf_counter()
-        if self._last_call is not None and step > self._last_call[1]:
-            self._steps.append((now - self._last_call[0]) / (step - self._last_call[1]))
-        self._last_call = (now, step)
-
-    def step_s(self) -> float | None:
-        """The median time per step (the first two intervals left out: compilation)."""
-        values = list(self._steps)[2:] if len(self._steps) > 4 else []
-        return statistics.median(values) if values else None
-
-    def on_copy(self, loop_s: float) -> None:
-        self._loops.append(loop_s)
-
-    def on_persist(self, cpu_s: float, wall_s: float) -> None:
-        self._seen += 1
-        if self._seen > 1:  # the first: creating files, first use of every code path
-            self._persists.append((cpu_s, wall_s))
-            self._decide()
-
-    def _decide(self) -> None:
-        step = self.step_s()
-        if step is None or step <= 0 or not self._persists or not self._loops:
-            return
-        loop = statistics.median(self._loops)
-        cpu = statistics.median(p[0] for p in self._persists)
-        wall = statistics.median(p[1] for p in self._persists)
-        # The writer reads and writes the bytes once and sums them: a copy moves them once.
-        copy = self.nbytes / max(self.nbytes / max(wall, 1e-6) * 2, 1e9)
-        copy_cost = loop + (copy if self.host_is_device else 0.0)
-        persist_cost = cpu if self.host_is_device else 0.0
-        writes = max(1, math.ceil(wall / step))
-        lands = max(1, math.ceil(copy / step))  # steps a copy takes to be ready after its step
-        self.parts = {"loop_s": loop, "copy_s": copy, "persist_cpu_s": cpu, "persist_s": wall}
-        if self.every is not None:
-            self.copy_every = self.k = self.every
-        else:
-            share = self.budget if persist_cost == 0 else self.budget * 2 / 3
-            self.copy_every = max(1, math.ceil(copy_cost / (share * step)))
-            left = self.budget - copy_cost / (self.copy_every * step)
-            by_budget = math.ceil(persist_cost / (left * step)) if persist_cost else 1
-            self.k = min(10_000, max(self.copy_every, by_budget, writes))
-        self.bound = self.copy_every + lands - 1
-        self.bound_all = self.k + writes - 1
-
-    def cost(self) -> float | None:
-        """The tier's time per step taken from training (seconds), as measured."""
-        if not self.parts or self.step_s() is None:
-            return None
-        p = self.parts
-        copy = p["loop_s"] + (p["copy_s"] if self.host_is_device else 0.0)
-        persist = p["persist_cpu_s"] if self.host_is_device else 0.0
-        return copy / self.copy_every + persist / self.k
 
 
 class _Copy(NamedTuple):
@@ -685,81 +527,6 @@ class StateTier:
         self._threads = []
 
 
-class _Blocks(NamedTuple):
-    """This process's distinct blocks of one array, copied to host memory."""
-
-    shape: tuple
-    dtype: str
-    index: list
-    data: list | None = None
-
-
-class _Elsewhere(NamedTuple):
-    """An array another process of this host writes (replicated: one copy per host is enough)."""
-
-    shape: tuple
-    dtype: str
-
-
-def _arrays(tree: PyTree) -> list:
-    return split_static(tree)[0]
-
-
-def _writes_replicated() -> bool:
-    """Whether this process writes the arrays every process holds whole: one per host does
-    (``LOCAL_RANK`` 0, set by ``jaxdist launch``; every process when it is not known)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-def _pinned_copy(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Asynchronous copies of ``leaves`` (this process's blocks) in host memory, which later
-    steps may donate the originals past: one ``device_put`` to the ``pinned_host`` memory kind
-    (a GPU's or TPU's copy engine moves them), or on XLA:CPU, whose device memory is host memory,
-    a compiled copy (dispatched asynchronously; a ``device_put`` between memory kinds there
-    copies at once, on the loop's thread)."""
-    if leaves and next(iter(leaves[0].sharding.device_set)).platform != "cpu":
-        try:
-            return jax.device_put(leaves, [x.sharding.with_memory_kind("pinned_host")
-                                           for x in leaves])
-        except (ValueError, NotImplementedError, TypeError, jax.errors.JaxRuntimeError):
-            pass  # no pinned host memory here: a device-side copy instead
-    # One call per device: only this process's devices take part (a copy must never be a
-    # collective: processes may copy at different steps).
-    by_device: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        by_device.setdefault(next(iter(x.sharding.device_set)), []).append(i)
-    out: list[Any] = [None] * len(leaves)
-    for positions in by_device.values():
-        for i, y in zip(positions, _device_copy([leaves[i] for i in positions])):
-            out[i] = y
-    return out
-
-
-@jax.jit
-def _device_copy(leaves):
-    return [x.copy() for x in leaves]
-
-
-def _blocks(x: Any) -> tuple[tuple[int, ...], str, list]:
-    """``(global shape, dtype name, [(index, block), ...])`` of what this process writes."""
-    if isinstance(x, _Elsewhere):
-        return x.shape, x.dtype, []
-    if isinstance(x, _Blocks):
-        return x.shape, x.dtype, [(i, np.asarray(d)) for i, d in zip(x.index, x.data)]
-    arr = np.asarray(x)
-    return arr.shape, arr.dtype.name, [(tuple((0, n) for n in arr.shape), arr)]
-
-
-def _my_bytes(x: Any) -> int:
-    if not isinstance(x, jax.Array):
-        return int(np.asarray(x).nbytes)
-    if x.is_fully_replicated and not _writes_replicated():
-        return 0
-    indices = {tuple((s.start, s.stop) for s in shard.index) for shard in x.addressable_shards}
-    per = x.addressable_shards[0].data.nbytes if x.addressable_shards else 0
-    return per * len(indices)
-
-
 def _free_bytes(directory: str) -> int:
     try:
         os.makedirs(directory, exist_ok=True)
@@ -776,13 +543,6 @@ def _slot_sizes(rank_dir: str) -> list[int]:
         except OSError:
             pass
     return sizes
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _like(state: PyTree, target: PyTree) -> PyTree:
