@@ -7,8 +7,8 @@ blocking on the result), and prints the median time, the bus bandwidth 2(n-1)/n 
 nccl-tests definition) and the ratio of that bandwidth to psum's. Then it measures what
 `pack_bytes` does to a pytree of many small leaves: collectives in the compiled program, and time.
 
-    python benchmarks/allreduce.py           # 4 KiB .. 64 MiB, a few minutes on 2 cores
-    python benchmarks/allreduce.py --quick   # 4 KiB .. 1 MiB, seconds
+    python benchmarks/allreduce.py           # 4 KiB .. 64 MiB, 200 leaves: minutes on 2 cores
+    python benchmarks/allreduce.py --quick   # 4 to 64 KiB, 16 leaves: the plumbing, seconds
 """
 
 from __future__ import annotations
@@ -133,17 +133,23 @@ def bench_packing(mesh, num_leaves: int, reps: int, pack_bytes: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="sizes up to 1 MiB and fewer repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions per measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="a check of the plumbing in seconds: every implementation and both "
+                             "sections at tiny sizes (4 to 64 KiB, 16 leaves, 3 repetitions)")
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions per measurement")
+    parser.add_argument("--max-bytes", type=int, default=2**26,
+                        help="largest message per replica (sizes 4 KiB, 16 KiB, ... up to it)")
+    parser.add_argument("--leaves", type=int, default=200, help="leaves of the pack_bytes pytree")
     args = parser.parse_args(argv)
-    max_size = 2**20 if args.quick else 2**26
-    reps = args.reps or (3 if args.quick else 7)
-    sizes = [4**k for k in range(6, 14) if 4**k <= max_size]  # 4 KiB .. 64 MiB
+    if args.quick:  # options given explicitly still win
+        parser.set_defaults(reps=3, max_bytes=2**16, leaves=16)
+        args = parser.parse_args(argv)
+    sizes = [4**k for k in range(6, 14) if 4**k <= args.max_bytes]  # 4 KiB .. 64 MiB
     mesh = _mesh()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} CPU cores")
     start = time.perf_counter()
-    bench_sizes(mesh, sizes, reps)
-    bench_packing(mesh, num_leaves=200, reps=reps, pack_bytes=2**20)
+    bench_sizes(mesh, sizes, args.reps)
+    bench_packing(mesh, num_leaves=args.leaves, reps=args.reps, pack_bytes=2**20)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

@@ -26,7 +26,17 @@ resume, and compiling (from the persistent cache where there is one). For SIGTER
 host it includes running on to the agreed stop step (about one second of steps ahead). A
 slowdown (``--sleep``, 0.1 s per step) lets the driver act at a chosen step.
 
-``--worker`` is the training script itself.
+``--tier-cost`` measures what the in-memory tier costs a job whose state is the size users run
+(and what a failure then costs): 2 processes under ``jaxdist launch -n 2`` (1 CPU device each),
+MLP 784-4096-4096-10 with Adam (about 240 MB of train state per process), global batch 256 of
+synthetic data, ``fit`` + ``BackupAndRestore`` (no backup inside the timed steps), the tier on
+(default) and off (``JAXDIST_MEMORY_TIER=0``) in alternation; each run times a window of steps
+synced at both ends (single step intervals are not step times: ``fit`` runs ahead of the
+devices). Then rank 1 is SIGKILLed mid-run and the steps computed again are set against the
+bound the launcher announced. ``--quick`` runs the same plumbing on a small model in seconds
+(CI: ``tests/test_benchmarks.py``).
+
+``--worker`` and ``--tier-worker`` are the training scripts themselves.
 """
 
 from __future__ import annotations
@@ -79,6 +89,111 @@ def worker(args) -> None:
     if me == 0:
         print(f"resumed from {backup.restored_from} step {backup.restored_step}", flush=True)
         np.savez(args.out, *jax.tree.leaves(jax.device_get(history.state.params)))
+
+
+def tier_worker(args) -> None:
+    """One process of the ``--tier-cost`` job."""
+    import jaxdist
+
+    jaxdist.initialize()
+    import jax
+    import numpy as np
+
+    from jaxdist import models
+
+    attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+    me = jax.process_index()
+    times: list[float] = []
+
+    class Clock(jaxdist.callbacks.Callback):
+        """Syncs twice: when the timed window opens and at its last step."""
+
+        def on_train_batch_end(self, info):
+            if info.step in (args.warmup, args.steps):
+                jax.block_until_ready(info.state)
+                times.append(time.perf_counter())
+            if me == 0:
+                print(f"trained step {info.step} t={time.time():.3f}", flush=True)
+
+    class Fault(jaxdist.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            if attempt == 0 and me == 1 and info.step == args.at and args.fault == "kill":
+                jax.block_until_ready(info.state)
+                print(f"fault kill t={time.time():.3f} step {info.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch * 4, 784), dtype=np.float32)
+    y = rng.integers(0, 10, args.batch * 4).astype(np.int32)
+    strategy = jaxdist.MultiWorkerMirroredStrategy()
+    state = models.create_train_state(models.MLP(hidden=(args.hidden, args.hidden)), x[:1],
+                                      seed=1)
+    if me == 0:
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(state) if hasattr(a, "nbytes"))
+        print(f"state {nbytes / 1e6:.1f} MB per process", flush=True)
+    backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=10**6)
+    data = strategy.distribute((x, y), args.batch, shuffle=True, seed=5)
+    jaxdist.fit(strategy.step(models.classifier_train_step), state, data,
+                epochs=-(-args.steps // len(data)), steps_per_epoch=None,
+                callbacks=[Clock(), backup, Fault()], verbose=0)
+    if me == 0:
+        if len(times) == 2:
+            rate = (args.steps - args.warmup) / (times[1] - times[0])
+            print(f"steps/s {rate:.4f}", flush=True)
+        print(f"resumed from {backup.restored_from} step {backup.restored_step}", flush=True)
+
+
+def tier_cost(args) -> str:
+    """The ``--tier-cost`` table: steps/s with the tier on and off, and a SIGKILL's cost."""
+    import statistics
+
+    tmp = tempfile.mkdtemp(prefix="jaxdist-tier-cost-")
+    cache = os.path.join(tmp, "xla-cache")
+    size = (["--hidden", "64", "--batch", "64", "--steps", "12", "--warmup", "4"] if args.quick
+            else ["--hidden", "4096", "--batch", "256", "--steps", str(args.tier_steps),
+                  "--warmup", "5"])
+
+    def launch(name, *extra, env=None, restarts=0):
+        job = Job(tmp, name, cache, env)
+        job.start(["-n", "2", "--devices-per-process", "1", "--max-restarts", str(restarts)],
+                  "--tier-worker", *size, *extra)
+        code = job.finish(timeout=1800)[0]
+        if code != 0:
+            raise RuntimeError(f"{name} failed ({code}):\n{job.text()[-3000:]}")
+        return job
+
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    announced, state = None, None
+    for rep in range(args.reps):
+        for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            print(f"tier {mode}, run {rep + 1} of {args.reps} ...", flush=True)
+            job = launch(f"{mode}-{rep}", env={"JAXDIST_MEMORY_TIER": "0"} if mode == "off"
+                         else None)
+            out = job.text()
+            rates[mode].append(float(re.search(r"steps/s ([\d.]+)", out)[1]))
+            state = re.search(r"state ([\d.]+ MB) per process", out)[1]
+            if mode == "on":
+                announced = re.findall(r"in-memory tier \(rank 0\): .*", out)[-1]
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    bound = int(re.search(r"a failure costs at most (\d+) step", announced)[1])
+    kill_at = 8 if args.quick else max(12, args.tier_steps // 2)
+    print(f"SIGKILL of rank 1 at step {kill_at} ...", flush=True)
+    job = launch("kill", "--fault", "kill", "--at", str(kill_at), restarts=1)
+    out = job.text()
+    resumed = re.search(r"resumed from (\w+) step (\w+)", out.split("trained step")[-1])
+    lost = kill_at - (int(resumed[2]) if resumed[2] != "None" else 0)
+    kill_line = [line for line in re.findall(r"in-memory tier \(rank 0\): .*", out)][:1]
+    return "\n".join([
+        "| tier | steps/s (median) | runs | ratio to off |", "|---|---|---|---|",
+        f"| off (`JAXDIST_MEMORY_TIER=0`) | {off:.3f} | "
+        f"{', '.join(f'{r:.3f}' for r in rates['off'])} | 1 |",
+        f"| on (default) | {on:.3f} | {', '.join(f'{r:.3f}' for r in rates['on'])} | "
+        f"{on / off:.3f} |", "",
+        f"State: {state} per process. The launcher announced: {announced}", "",
+        f"SIGKILL of rank 1 after step {kill_at}: resumed from {resumed[1]} step {resumed[2]}, "
+        f"{lost} step(s) computed again (announced bound: {bound}; "
+        f"{'within' if lost <= bound else 'BEYOND'} it). "
+        + (f"That run's tier line: {kill_line[0]}" if kill_line else "")])
 
 
 _OVERHEAD = """
@@ -142,7 +257,8 @@ class Job:
         self.logs: list[str] = []
 
     def worker_args(self, *extra):
-        return [__file__, "--worker", "--out", os.path.join(self.dir, "out.npz"), "--backup",
+        role = [] if "--tier-worker" in extra else ["--worker"]
+        return [__file__, *role, "--out", os.path.join(self.dir, "out.npz"), "--backup",
                 os.path.join(self.dir, "backup"), *extra]
 
     def start(self, launcher_args, *extra):
@@ -216,12 +332,38 @@ def main():
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--sleep", type=float, default=0.1)
     ap.add_argument("--overhead-only", action="store_true",
-                    help="only measure the in-memory tier's cost per step")
+                    help="only measure the in-memory tier's cost per step (small state)")
+    ap.add_argument("--tier-cost", action="store_true",
+                    help="the tier's cost at ~240 MB of state per process, and a SIGKILL's")
+    ap.add_argument("--tier-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true",
+                    help="with --tier-cost: a small model, one repetition (plumbing, seconds)")
+    ap.add_argument("--reps", type=int, default=3, help="--tier-cost: runs per mode")
+    ap.add_argument("--tier-steps", type=int, default=40, help="--tier-cost: steps per run")
+    ap.add_argument("--hidden", type=int, default=4096, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "fault_tolerance.md"))
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.tier_worker:
+        return tier_worker(args)
+    if args.tier_cost:
+        if args.quick:
+            args.reps = 1
+        table = tier_cost(args)
+        print(table)
+        if args.results and not args.quick:
+            with open(args.results.replace(".md", "_tier.md"), "w") as f:
+                f.write("# The in-memory tier's cost at a state size users run\n\n"
+                        f"`python benchmarks/fault_tolerance.py --tier-cost` "
+                        f"({time.strftime('%Y-%m-%d %H:%M')}, CPU only, 2 cores, load "
+                        f"{os.getloadavg()[0]:.1f} at the end; see the script's docstring).\n\n"
+                        + table + "\n")
+        return
     if args.overhead_only:
         off, on = overhead()
         print(f"fit steps/s, memory tier off {off:.1f}, on {on:.1f} ({on / off - 1:+.1%})")

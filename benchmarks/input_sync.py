@@ -6,7 +6,8 @@ difference is the input path itself. Repetitions alternate the order. Run it und
 
     jaxdist launch -n 2 --devices-per-process 2 benchmarks/input_sync.py [--steps 200] [--reps 5]
 
-(one process works too: then no exchange happens at all.)
+(one process works too: then no exchange happens at all.) ``--quick``: 10 steps, 2 repetitions,
+the plumbing in seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--quick", action="store_true",
+                    help="a check of the plumbing in seconds: 10 steps, 2 repetitions")
     args = ap.parse_args()
+    if args.quick:  # options given explicitly still win
+        ap.set_defaults(steps=10, reps=2)
+        args = ap.parse_args()
 
     import jaxdist
 

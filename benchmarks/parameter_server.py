@@ -13,6 +13,7 @@ otherwise measure CPU contention, not the parameter server). Ratios compare runs
 invocation.
 
     python benchmarks/parameter_server.py [--mb 2] [--seconds 3] [--workers 1,2,4] [--tls]
+    python benchmarks/parameter_server.py --quick [--tls]   # every row, 0.25 MiB, 0.5 s runs
 
 Every call carries the job's token (authentication is on by default). ``--tls`` also starts a
 second server with a self-signed certificate made for this run and measures the gRPC transport
@@ -38,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxdist.ps import optimizer  # noqa: E402
+from jaxdist.ps import optimizer, wire  # noqa: E402
 from jaxdist.launch import free_ports  # noqa: E402
 from jaxdist.ps.server import ParameterServer, ServerConfig  # noqa: E402
 from jaxdist.ps.transport import (Channel, GrpcClient, LocalClient, TLSConfig,  # noqa: E402
@@ -82,18 +83,24 @@ def start_server(addr: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL)
 
 
-def init_server(addr: str, params, nbytes: int, tls) -> GrpcClient:
-    client = GrpcClient(addr, token=TOKEN, timeout=30, tls=tls)
-    deadline = time.time() + 60
+def until_up(call, seconds: float = 60.0):
+    """``call()``, retried while its server cannot be reached: one starting up, or one on a
+    loaded machine, where a gRPC connection has been seen to take over 20 s to open."""
+    deadline = time.time() + seconds
     while True:
         try:
-            client.init(0, params, optimizer("sgd", learning_rate=0.1),
-                        ServerConfig(max_push_bytes=2 * nbytes))
-            return client
+            return call()
         except ConnectionError:
             if time.time() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def init_server(addr: str, params, nbytes: int, tls) -> GrpcClient:
+    client = GrpcClient(addr, token=TOKEN, timeout=30, tls=tls)
+    until_up(lambda: client.init(0, params, optimizer("sgd", learning_rate=0.1),
+                                 ServerConfig(max_push_bytes=2 * nbytes)))
+    return client
 
 
 def model(mb: float) -> dict[str, np.ndarray]:
@@ -119,24 +126,18 @@ def worker_loop(client, index: int, seconds: float, compute_s: float, start_at: 
     return {"pulls": pulls, "pushes": pushes, "bytes": moved, "seconds": seconds}
 
 
-def run_raw_echo(nbytes: int, seconds: float) -> float:
-    """Ceiling of Python gRPC here: GB/s of a bare echo server (another process) that returns
-    ``nbytes`` per Pull and swallows ``nbytes`` per Push, with the transport's channel options."""
+def run_raw_echo(params: dict[str, np.ndarray], seconds: float) -> float:
+    """Ceiling of Python gRPC here: GB/s of a bare echo server (another process) that returns a
+    pull's bytes per Pull and swallows a push per Push, with the transport's channel options."""
+    nbytes = sum(v.nbytes for v in params.values())
+    # framed as a push is: the server reads a request's header (and the size it declares) first
+    payload = wire.encode({"worker": 0, "step_id": 0, "version": 0}, params)
     addr = f"127.0.0.1:{free_ports(1)[0]}"
-    proc = subprocess.Popen([sys.executable, __file__, "--_echo", addr, "--_bytes", str(nbytes)],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, __file__, "--_echo", addr, "--_bytes",
+                             str(len(payload))], stdout=subprocess.DEVNULL)
     try:
         ch = Channel(addr, "bench.Echo", token=TOKEN)
-        payload = b"\0" * nbytes
-        deadline = time.time() + 60
-        while True:
-            try:
-                ch.call("Pull", b"", timeout=5)
-                break
-            except ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
+        until_up(lambda: ch.call("Pull", b"", timeout=5))
         cycles, end = 0, time.time() + seconds
         while time.time() < end:
             ch.call("Pull", b"")
@@ -191,9 +192,13 @@ def run_grpc(params, n: int, seconds: float, compute_s: float, server_addr: str,
          "--_start", repr(start)], stdout=subprocess.PIPE, env=dict(os.environ, **(tls_env or {})))
         for i in range(n)]
     results = []
-    for p in procs:
+    for i, p in enumerate(procs):
         out, _ = p.communicate(timeout=seconds + 120)
-        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        lines = out.decode().strip().splitlines()
+        if p.returncode or not lines:
+            raise RuntimeError(f"gRPC worker {i} of {n} exited with {p.returncode} and no result "
+                               "(its traceback is above)")
+        results.append(json.loads(lines[-1]))
     return _total(results, seconds)
 
 
@@ -205,18 +210,24 @@ def main(argv=None) -> int:
     ap.add_argument("--compute-ms", type=float, default=20.0)
     ap.add_argument("--tls", action="store_true",
                     help="also measure the gRPC transport over TLS (ratio TLS / plaintext)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a check of the plumbing: every row with a 0.25 MiB model, 0.5 s runs, "
+                         "5 ms of compute")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--_start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--_echo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_bytes", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.quick:  # options given explicitly still win
+        ap.set_defaults(mb=0.25, seconds=0.5, compute_ms=5.0)
+        a = ap.parse_args(argv)
     if a._echo:
         _echo_server(a._echo, a._bytes)
         return 0
     if a._worker:
         client = GrpcClient(a._worker, token=TOKEN, timeout=30, tls=TLSConfig.from_env())
-        client.status()
+        until_up(client.status)
         print(json.dumps(worker_loop(client, a._index, a.seconds, a.compute_ms / 1e3,
                                      a._start)))
         return 0
@@ -261,7 +272,7 @@ def main(argv=None) -> int:
         print("(in-process workers get the server's arrays by reference: its GB/s counts bytes "
               "served, not bytes copied)")
         best = max(v[2] for (name, _, _), v in table.items() if name == "grpc")
-        raw = run_raw_echo(nbytes, a.seconds)
+        raw = run_raw_echo(params, a.seconds)
         print(f"best gRPC server throughput: {best:.3f} GB/s; bare Python gRPC echo of the same "
               f"messages, 1 client: {raw:.3f} GB/s; parameter server 1 worker / echo: "
               f"{table['grpc', 'transport', counts[0]][2] / raw:.2f}")

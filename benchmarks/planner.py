@@ -13,6 +13,7 @@ then measures those steps and prints predicted vs measured. The 4-device and 4-p
 extrapolate the 2-participant link; the 8-device case extrapolates it 4x.
 
     python benchmarks/planner.py [--batch 64] [--procs 2,4] [--out benchmarks/results]
+    python benchmarks/planner.py --quick   # every row, short windows: the plumbing, under a minute
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# How long each measurement is: windows x steps of a data-parallel step, the one-device step's
+# (steps, windows), the all-reduce's message sizes and calls per size.
+FULL = {"windows": 5, "steps": 16, "one_device": (20, 3), "sizes": (2**16, 2**20, 2**22),
+        "ar_reps": 5}
+QUICK = {"windows": 1, "steps": 4, "one_device": (4, 1), "sizes": (2**12, 2**16), "ar_reps": 1}
 
 
 def _mlp_parts(batch: int, n_devices: int):
@@ -70,7 +76,7 @@ def _window(fn, state, batch, steps=16, reps=5, sync=8):
     return sorted(samples)[len(samples) // 2]
 
 
-def measure_data_parallel(batch: int) -> dict:
+def measure_data_parallel(batch: int, how: dict = FULL) -> dict:
     """In this process (one or several under launch): the hand-written step over all devices, and
     the same step on every device at once with no all-reduce (compute only)."""
     import jax
@@ -90,7 +96,7 @@ def measure_data_parallel(batch: int) -> dict:
 
     # the all-reduces XLA actually emits for the step (its combiner may merge the six gradients)
     all_reduces = _count_collectives(hand.lower(state, placed).compile().as_text())["all-reduce"]
-    measured = _window(hand, state, placed)
+    measured = _window(hand, state, placed, how["steps"], how["windows"])
     # compute only: every device its own replica of the state and its own slice, no all-reduce
     local = jax.jit(jax.shard_map(lambda s, b: jax.tree.map(lambda v: v[None], step(
         jax.tree.map(lambda v: v[0], s), b)), mesh=mesh, in_specs=(jax.P("d"), jax.P("d")),
@@ -99,7 +105,7 @@ def measure_data_parallel(batch: int) -> dict:
 
     stacked = jax.tree.map(lambda v: jax.device_put(np.broadcast_to(np.asarray(v), (n, *np.shape(v))), dat),
                            models.create_train_state(net, x[:1]))
-    compute_only = _window(local, stacked, placed)
+    compute_only = _window(local, stacked, placed, how["steps"], how["windows"])
     return {"devices": n, "measured_s": measured, "compute_only_s": compute_only,
             "all_reduces": all_reduces}
 
@@ -112,8 +118,10 @@ def proc_worker(args) -> int:
 
     from jaxdist.plan import measure as plan_measure
 
-    link = plan_measure.measure_allreduce(name=f"psum over {jax.process_count()} processes (gloo)")
-    out = measure_data_parallel(args.batch)
+    how = QUICK if args.quick else FULL
+    link = plan_measure.measure_allreduce(name=f"psum over {jax.process_count()} processes (gloo)",
+                                          sizes=how["sizes"], reps=how["ar_reps"])
+    out = measure_data_parallel(args.batch, how)
     out.update(latency_s=link.latency_s, bandwidth=link.bandwidth, sync_s=link.sync_s)
     if jax.process_index() == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -125,6 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="per-device batch")
     ap.add_argument("--procs", default="2,4")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="a check of the plumbing in under a minute: every row (the 2- and "
+                         "4-process jobs too), one short window per measurement (its errors are "
+                         "not a result)")
     ap.add_argument("--proc-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.proc_worker:
@@ -136,13 +148,16 @@ def main(argv=None) -> int:
     from jaxdist.plan import cost as plan
     from jaxdist.plan import measure as plan_measure
 
+    how = QUICK if args.quick else FULL
     load0 = os.getloadavg()[0]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     param_bytes, leaves = plan_measure.model_size("mlp")
-    t1, fixed = plan_measure.measure_step("mlp", args.batch)
+    steps, reps = how["one_device"]
+    t1, fixed = plan_measure.measure_step("mlp", args.batch, steps=steps, reps=reps)
     rows = []
-    link_sim = plan_measure.measure_allreduce(jax.devices()[:2], name="psum over 2 simulated devices")
-    sim = measure_data_parallel(args.batch)
+    link_sim = plan_measure.measure_allreduce(jax.devices()[:2], name="psum over 2 simulated devices",
+                                              sizes=how["sizes"], reps=how["ar_reps"])
+    sim = measure_data_parallel(args.batch, how)
     par = min(8.0, max(1.0, sim["devices"] * t1 / sim["compute_only_s"]))
     pred = plan.predict(param_bytes, t1, devices_per_host=8, batch_per_device=args.batch,
                         fixed_s=fixed, num_leaves=sim["all_reduces"], intra=link_sim,
@@ -152,7 +167,8 @@ def main(argv=None) -> int:
     link_proc = step_link = None
     for p in [int(v) for v in args.procs.split(",") if v]:
         cmd = [sys.executable, "-m", "jaxdist.launch", "-n", str(p), "--devices-per-process", "1",
-               "--timeout", "500", os.path.abspath(__file__), "--proc-worker", "--batch", str(args.batch)]
+               "--timeout", "500", os.path.abspath(__file__), "--proc-worker", "--batch", str(args.batch),
+               *(["--quick"] if args.quick else [])]
         env = {**os.environ, "PYTHONPATH": REPO}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=560)
         line = next((ln for ln in proc.stdout.splitlines() if "RESULT " in ln), None)

@@ -13,6 +13,7 @@ The model is the benchmark MLP (784-256-128-10 by default; ``--hidden`` to chang
 Syncs every 8 steps (XLA:CPU deadlocks with too many queued collectives).
 
     python benchmarks/precision.py [--devices 8] [--batch 4096] [--reps 5] [--steps 16]
+    python benchmarks/precision.py --quick   # every row at tiny sizes: the plumbing, seconds
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ def main() -> None:
     ap.add_argument("--wide-hidden", default="1024,1024",
                     help="the activation-bound model of the memory-only section")
     ap.add_argument("--wide-batch", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true",
+                    help="a check of the plumbing in seconds: every row on 2 devices, a small "
+                         "MLP (the memory-only section's too), 2 rounds of 2 steps")
     args = ap.parse_args()
+    if args.quick:  # options given explicitly still win
+        # the memory-only section on the timed model and batch: it reuses their measurements
+        ap.set_defaults(devices=2, batch=64, hidden="32,32", reps=2, steps=2, wide_hidden="32,32",
+                        wide_batch=64)
+        args = ap.parse_args()
 
     import jax
 
@@ -46,18 +55,28 @@ def main() -> None:
     batch = next(iter(strategy.distribute((x[:args.batch], y[:args.batch]), args.batch)))
     hidden = tuple(int(h) for h in args.hidden.split(","))
 
-    def make_state(precision):
-        return strategy.put(models.create_train_state(models.MLP(hidden=hidden), x[:1],
+    def make_state(precision, model=hidden):
+        return strategy.put(models.create_train_state(models.MLP(hidden=model), x[:1],
                                                       precision=precision))
 
+    @functools.cache  # one step per k: it compiles once per state and batch shape it meets
     def make_step(k):
-        return jax.jit(functools.partial(models.classifier_train_step, accumulate=k),
-                       donate_argnums=0)
+        # the public distributed step (what `@jaxdist.mirrored` builds): it traces the step in the
+        # strategy's replica context itself, which accumulation needs to split each replica's rows
+        return strategy.step(functools.partial(models.classifier_train_step, accumulate=k))
 
-    def memory(step, state, on=None):
-        with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
-            m = step.lower(state, batch if on is None else on).compile().memory_analysis()
-        return m.temp_size_in_bytes, m.argument_size_in_bytes
+    measured = {}
+
+    def memory(k, precision, model=hidden, on=None, state=None):
+        """Temporary and argument bytes of the compiled step, each program compiled once (the
+        sections share programs: float32 k=1 always, every one but the last under --quick)."""
+        on = batch if on is None else on
+        key = (k, precision, model, jax.tree.leaves(on)[0].shape)
+        if key not in measured:
+            state = make_state(precision, model) if state is None else state
+            m = make_step(k).lower(state, on).compile().memory_analysis()
+            measured[key] = m.temp_size_in_bytes, m.argument_size_in_bytes
+        return measured[key]
 
     def run(step, state):
         state, m = step(state, batch)  # warm (compiled already)
@@ -80,8 +99,7 @@ def main() -> None:
             order = names if r % 2 == 0 else names[::-1]
             got = {}
             for n in order:
-                with jaxdist.core.replica.enter(strategy._context(per_replica=False)):
-                    got[n], states[n] = run(variants[n][0], states[n])
+                got[n], states[n] = run(variants[n][0], states[n])
                 times[n].append(got[n])
             for n in ratios:
                 ratios[n].append(got[n] / got[baseline])
@@ -95,7 +113,7 @@ def main() -> None:
     for p in ("float32", "mixed_bfloat16", "mixed_float16"):
         step, state = make_step(1), make_state(p)
         variants[p] = (step, state)
-    mem = {p: memory(s, st) for p, (s, st) in variants.items()}
+    mem = {p: memory(1, p, state=st) for p, (_, st) in variants.items()}
     res = compare(variants, "float32")
     for p, (t, ratio) in res.items():
         temp, arg = mem[p]
@@ -103,9 +121,9 @@ def main() -> None:
               f"(x{temp / mem['float32'][0]:.2f})  args {arg / 2**20:6.2f} MiB")
 
     print("\n[accumulation] float32, k micro-batches per step vs k=1")
-    variants = {f"k={k}": (make_step(k), make_state("float32")) for k in (1, 2, 4, 8)
-                if (args.batch // args.devices) % k == 0}
-    mem = {n: memory(s, st) for n, (s, st) in variants.items()}
+    ks = [k for k in (1, 2, 4, 8) if (args.batch // args.devices) % k == 0]
+    variants = {f"k={k}": (make_step(k), make_state("float32")) for k in ks}
+    mem = {f"k={k}": memory(k, "float32", state=variants[f"k={k}"][1]) for k in ks}
     res = compare(variants, "k=1")
     for n, (t, ratio) in res.items():
         temp, arg = mem[n]
@@ -120,8 +138,7 @@ def main() -> None:
     base = None
     for p, k in [("float32", 1), ("mixed_bfloat16", 1), ("mixed_float16", 1), ("float32", 2),
                  ("float32", 4), ("float32", 8), ("mixed_bfloat16", 8)]:
-        st = strategy.put(models.create_train_state(models.MLP(hidden=wide), x[:1], precision=p))
-        temp, arg = memory(make_step(k), st, on=big)
+        temp, arg = memory(k, p, wide, on=big)
         base = base or temp
         print(f"  {p:15s} k={k}  temp {temp / 2**20:8.2f} MiB (x{temp / base:.2f})  "
               f"args {arg / 2**20:7.2f} MiB")

@@ -108,7 +108,9 @@ html_theme_options = {
     # repository); each notebook's own "Open in Colab" badge links to notebooks/.
     "show_toc_level": 2,
 }
-html_static_path: list[str] = []
+# docs/_static/jaxdist.css: tables of code and long code lines fit the article column (issue 30).
+html_static_path = ["_static"]
+html_css_files = ["jaxdist.css"]
 
 
 def _check_api_coverage(app, env):
@@ -133,6 +135,25 @@ def _public_bases(app, name, obj, options, bases):
     bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")] or bases[:0]
 
 
+def _notebook_outputs_inside_the_build(app):
+    """Keeps myst-nb's executed notebooks (``jupyter_execute/``) and its cache
+    (``.jupyter_cache/``) in this build's doctree folder (``OUTDIR/.doctrees`` by default).
+
+    myst-nb puts both in the output folder's *parent*: ``sphinx-build docs /tmp/docs-x`` wrote
+    ``/tmp/jupyter_execute`` and ``/tmp/.jupyter_cache``, shared by every build there. It sets
+    them on ``builder-inited``; this runs after it (priority 900).
+    """
+    from pathlib import Path
+
+    config = getattr(app.env, "mystnb_config", None)
+    if config is None:
+        return
+    here = Path(app.doctreedir)
+    app.env.mystnb_config = config.copy(output_folder=str(here / "jupyter_execute"),
+                                        execution_cache_path=str(here / "jupyter_cache"))
+
+
 def setup(app):
+    app.connect("builder-inited", _notebook_outputs_inside_the_build, priority=900)
     app.connect("env-check-consistency", _check_api_coverage)
     app.connect("autodoc-process-bases", _public_bases)

@@ -54,13 +54,15 @@ def main():
             precision.value_and_grad(loss_fn, state), state.params, batch, steps=args.accumulate)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    ckpt = tempfile.mkdtemp(prefix="jaxdist-mp-")
-    history = jaxdist.fit(train_step, state, strategy.distribute((x, y), global_batch, shuffle=True),
-                          epochs=args.epochs, eval_step=models.classifier_eval_step,
-                          eval_data=strategy.distribute((x_test, y_test), global_batch), verbose=0,
-                          callbacks=[jaxdist.callbacks.ModelCheckpoint(
-                              ckpt, monitor="val_accuracy", save_best_only=True, max_to_keep=1)])
-    best = jaxdist.checkpoint.CheckpointManager(ckpt).restore()  # no template needed
+    with tempfile.TemporaryDirectory(prefix="jaxdist-mp-") as ckpt:  # removed afterwards
+        history = jaxdist.fit(train_step, state,
+                              strategy.distribute((x, y), global_batch, shuffle=True),
+                              epochs=args.epochs, eval_step=models.classifier_eval_step,
+                              eval_data=strategy.distribute((x_test, y_test), global_batch),
+                              verbose=0, callbacks=[jaxdist.callbacks.ModelCheckpoint(
+                                  ckpt, monitor="val_accuracy", save_best_only=True,
+                                  max_to_keep=1)])
+        best = jaxdist.checkpoint.CheckpointManager(ckpt).restore()  # no template needed
     logits = jaxdist.predict(lambda p, b: model.apply({"params": p}, b.data[0]), best["params"],
                              strategy.distribute((x_test, y_test), global_batch))
     accuracy = float(np.mean(np.argmax(logits, -1) == y_test))

@@ -25,6 +25,7 @@ from jaxdist.input.local import FileSource as FileSource
 from jaxdist.input.local import InputSyncTimeoutError as InputSyncTimeoutError
 from jaxdist.input.local import ShardableSource as ShardableSource
 from jaxdist.launch import cluster as cluster
+from jaxdist.launch import heartbeat as _heartbeat
 from jaxdist.launch.cluster import ClusterSpec as ClusterSpec
 from jaxdist.launch.runtime import barrier as barrier
 from jaxdist.launch.runtime import initialize as initialize
@@ -62,3 +63,5 @@ __all__ = [
 
 # Old module paths (jaxdist.models, jaxdist.step, ...) import as their new homes: jaxdist/_compat.py.
 _compat.install()
+# Under `jaxdist launch`, every training step reports progress to the launcher (hang detection).
+_heartbeat.install()

@@ -1,4 +1,10 @@
-"""The ``jaxdist`` command: ``train`` (the main job), ``evaluate``, ``launch``, ``ps`` and ``bench``."""
+"""The ``jaxdist`` command: ``train`` (the main job), ``evaluate``, ``plan``, ``launch``, ``ps`` and
+``bench``.
+
+``jaxdist train``, ``evaluate`` and ``plan`` check every option before any work starts and report a
+mistake in one line naming the flag (exit status 2, argparse's); ``launch``, ``ps`` and ``bench``
+parse their own options.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +52,12 @@ def bench(argv: list[str]) -> int:
     return 0
 
 
+# What `jaxdist --help` says above the commands (plain text: argparse prints it as it is).
+_DESCRIPTION = ("TensorFlow's distribution strategies for JAX. Train on the built-in data with "
+                "`jaxdist train --strategy mirrored --devices 8`; predict scaling with "
+                "`jaxdist plan`.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # launch and ps pass everything after their own options to a script: parse them separately.
@@ -59,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         return ps_cli.main(argv[1:])
     if argv and argv[0] == "bench":
         return bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="jaxdist", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    import jaxdist
+
+    parser = _output.ArgumentParser(prog="jaxdist", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"jaxdist {jaxdist.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands (jaxdist COMMAND -h: its options)")
     from jaxdist.training import cli as train_cli
 
     train_cli.add_parser(sub)

@@ -134,3 +134,22 @@ def test_resume_is_a_value_a_callback_returns(digits):
         jaxdist.fit(strategy.step(models.classifier_train_step), state,
                     strategy.distribute((x, y), 128), epochs=1,
                     callbacks=[_ResumeAt(resume), _ResumeAt(resume)], verbose=0)
+
+
+def test_a_second_fit_names_checkpoints_by_the_states_step(tmp_path, digits):
+    # before: the second fit, continuing from state.step 12, wrote step 12 again (this fit's
+    # count), over the first fit's checkpoint; the API contract says "ModelCheckpoint names
+    # checkpoints by state.step"
+    first = _fit(digits, [ModelCheckpoint(tmp_path, max_to_keep=None, async_save=False)], epochs=1)
+    assert int(first.state.step) == STEPS_PER_EPOCH
+    (x, y), _ = digits
+    strategy = jaxdist.MirroredStrategy()
+    mc = ModelCheckpoint(tmp_path, max_to_keep=None, async_save=False, save_freq=5)
+    second = jaxdist.fit(strategy.step(models.classifier_train_step), first.state,
+                         strategy.distribute((x, y), 128, shuffle=True), epochs=1,
+                         callbacks=[mc], verbose=0)
+    assert int(second.state.step) == 2 * STEPS_PER_EPOCH
+    # every 5 steps of the state's count (15, 20) and the epoch end (24)
+    assert CheckpointManager(tmp_path).all_steps() == [12, 15, 20, 24]
+    restored = CheckpointManager(tmp_path).restore(24, target=second.state, strategy=strategy)
+    assert int(restored.step) == 24

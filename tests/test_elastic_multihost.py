@@ -58,14 +58,16 @@ class Hosts:
         self.agents: list[subprocess.Popen] = []
         self.logs: list[pathlib.Path] = []
 
-    def start(self):
+    def start(self, devices=2, script_args=(), train=TRAIN, launch_args=()):
         i = len(self.agents)
         log = self.tmp / f"agent{i}.log"
         cmd = [sys.executable, "-m", "jaxdist.launch", "--nnodes", self.nnodes,
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test", "-n", "1",
-               "--devices-per-process", "2", "--max-restarts", "2", "--rdzv-timeout", str(self.rdzv_timeout),
-               "--rdzv-last-call", str(self.last_call), SCRIPT, str(self.tmp / "out.npz"),
-               str(self.tmp / "backup"), *TRAIN]
+               "--devices-per-process", str(devices), "--max-restarts", "2",
+               "--rdzv-timeout", str(self.rdzv_timeout),
+               "--rdzv-last-call", str(self.last_call), *launch_args, SCRIPT,
+               str(self.tmp / "out.npz"),
+               str(self.tmp / "backup"), *train, *script_args]
         with open(log, "wb") as f:
             self.agents.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=f,
                                                 stderr=subprocess.STDOUT))

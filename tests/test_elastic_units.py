@@ -1,5 +1,5 @@
-"""Fast checks of the fault-tolerance pieces, without processes: the in-memory tier, the hang
-detector, the rendezvous store."""
+"""Fast checks of the fault-tolerance pieces, without processes: the hang detector, the rendezvous
+store (the in-memory tier: tests/test_memstate.py)."""
 
 import os
 
@@ -11,39 +11,6 @@ import pytest
 from jaxdist.launch.hang import HangDetector
 from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
 from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
-
-
-def test_memory_tier_keeps_the_two_newest_steps_and_resumes_from_the_newest(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0)
-    state = {"w": jnp.zeros(3), "step": 0}
-    for step in range(1, 6):
-        state = {"w": state["w"] + 1, "step": jnp.int32(step)}
-        tier.save(step, state, {"epoch": 0, "position": step})
-    tier.close()
-    assert sorted(os.listdir(tmp_path / "0")) == ["heartbeat", "step-4.npz", "step-5.npz"]
-    snap = StateTier(str(tmp_path), rank=0).resume({"w": jnp.zeros(3), "step": 0})
-    assert snap.step == 5 and snap.data_state == {"epoch": 0, "position": 5}
-    assert snap.state["w"].tolist() == [5.0] * 3 and int(snap.state["step"]) == 5
-
-
-def test_memory_tier_survives_donation_of_the_saved_state(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0)
-    step = jax.jit(lambda s: s + 1, donate_argnums=0)
-    x = jnp.zeros(4)
-    for k in range(1, 4):
-        x = step(x)
-        tier.save(k, {"x": x})  # the next step donates (deletes) x's buffer
-    tier.close()
-    assert StateTier(str(tmp_path), rank=0).resume({"x": jnp.zeros(4)}).state["x"].tolist() \
-        == [3.0] * 4
-
-
-def test_a_snapshot_that_does_not_match_the_state_is_ignored(tmp_path):
-    tier = StateTier(str(tmp_path), rank=1)
-    tier.save(7, {"w": jnp.ones(2)})
-    tier.close()
-    assert StateTier(str(tmp_path), rank=0).resume({"w": jnp.ones(3)}) is None
-    assert StateTier(None).resume({"w": jnp.ones(3)}) is None  # no directory: disabled
 
 
 def test_stop_step_is_read_from_the_agents_file(tmp_path):

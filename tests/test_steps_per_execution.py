@@ -244,7 +244,7 @@ class _Tier:
     def __init__(self, stop, seen_at):
         self.stop, self.seen_at, self.step = stop, seen_at, 0
 
-    def save(self, step, state, data):
+    def save(self, step, state, data, force=False):
         self.step = step
 
     def stop_step(self):

@@ -10,6 +10,7 @@ import jax
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
 from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
                                            SaveCandidate, SavePolicy, resolve_mode)
+from jaxdist.launch import heartbeat
 from jaxdist.launch.memstate import StateTier
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class ModelCheckpoint(Callback):
     ``monitor`` (steps saved without it are kept too). A checkpoint restores for inference without a
     template: ``CheckpointManager(directory).restore()["params"]``.
 
+    Checkpoints are named by the state's own step (``state.step``, read once when training
+    begins), so a second ``fit`` that continues a state at step 12 writes 24, 36, ..., never over
+    the first fit's; step periods (``save_freq=N``) count that step too. A state without an
+    integer ``step`` attribute (a ``(model, optimizer)`` tuple, say) is named by ``fit``'s count.
+
     Args:
       directory: checkpoint directory (shared by all processes).
       monitor, mode, save_best_only: as Keras's ``ModelCheckpoint``.
@@ -131,6 +137,8 @@ class ModelCheckpoint(Callback):
                                          best_mode=self.mode)
         self._last_saved: int | None = self.manager.latest_step()
         self.saved: list[SaveCandidate] = []
+        # state.step - fit's step count, read once at train begin (see on_train_begin).
+        self._step_offset = 0
 
     @property
     def best(self) -> float | None:
@@ -141,6 +149,10 @@ class ModelCheckpoint(Callback):
         return min(seen) if self.mode == "min" else max(seen)
 
     def on_train_begin(self, info: TrainInfo) -> None:
+        # Checkpoints are named by the state's own step (the API's promise), not this fit's count: a
+        # second fit continuing from a state at step 12 writes 24, not 12 over the first fit's.
+        # Read once here (a host sync); a state without an integer ``step`` keeps fit's count.
+        self._step_offset = _state_step(info.state, info.step) - info.step
         # A resumed run compares against what the earlier run saved (its logs are in the metadata).
         self.saved = []
         for step in self.manager.all_steps():
@@ -153,12 +165,13 @@ class ModelCheckpoint(Callback):
                                             logs=dict(user.get("logs") or {})))
 
     def _candidate(self, info: TrainInfo, epoch_done: bool) -> SaveCandidate:
-        return SaveCandidate(step=info.step, epoch=info.epoch, epoch_end=epoch_done,
-                             logs={k: float(v) for k, v in info.logs.items()},
+        return SaveCandidate(step=info.step + self._step_offset, epoch=info.epoch,
+                             epoch_end=epoch_done, logs={k: float(v) for k, v in info.logs.items()},
                              steps=info.call_steps)
 
     def _save(self, info: TrainInfo, *, epoch_done: bool = False) -> None:
-        if info.step == self._last_saved:
+        step = info.step + self._step_offset
+        if step == self._last_saved:
             return
         cand = self._candidate(info, epoch_done)
         # After an epoch ends, the next batch to train on is the first of the next epoch.
@@ -166,14 +179,14 @@ class ModelCheckpoint(Callback):
                 else info.iterator.state() if info.iterator is not None else None)
         metrics = ({self.monitor: cand.logs[self.monitor]}
                    if self._keep_best and self.monitor in cand.logs else None)
-        self.manager.save(info.step, info.state, data_state=data, metrics=metrics,
+        self.manager.save(step, info.state, data_state=data, metrics=metrics,
                           metadata={"logs": dict(cand.logs), "epoch": info.epoch,
                                     "epoch_end": epoch_done})
-        self._last_saved = info.step
+        self._last_saved = step
         self.saved.append(cand)
 
     def _consider(self, info: TrainInfo, epoch_done: bool) -> None:
-        if info.step != self._last_saved and self.policy.should_save(
+        if info.step + self._step_offset != self._last_saved and self.policy.should_save(
                 self._candidate(info, epoch_done), tuple(self.saved)):
             self._save(info, epoch_done=epoch_done)
 
@@ -192,6 +205,18 @@ class ModelCheckpoint(Callback):
             mark_final(self.manager.directory, self._last_saved)
 
 
+def _state_step(state, default: int) -> int:
+    """``state.step`` as an int (flax's ``TrainState`` and its kind), else ``default``."""
+    import numpy as np
+
+    step = getattr(state, "step", None)
+    try:
+        value = np.asarray(jax.device_get(step))
+    except Exception:  # noqa: BLE001 - not an array (a method, None): no step of its own
+        return default
+    return int(value) if value.ndim == 0 and value.dtype.kind in "iu" else default
+
+
 class BackupAndRestore(ModelCheckpoint):
     """Resumes an interrupted ``fit`` exactly where its last backup left it; saves on SIGTERM.
 
@@ -201,12 +226,14 @@ class BackupAndRestore(ModelCheckpoint):
     exactly the batches the uninterrupted one would have, and ends with the same parameters.
 
     Under ``jaxdist launch`` (or with ``JAXDIST_STATE_DIR`` set) there is also an in-memory tier
-    (``jaxdist.memstate.StateTier``): every completed step's state and input position are kept in
-    host shared memory, and a restarted job resumes from the newest step any process holds (it
-    reaches the others over the network), so a failure costs at most one step; the backups in
-    ``directory`` are used when that is newer or the memory tier is gone. On a preemption notice
-    (SIGTERM; agreed across processes) a backup is written at the next step boundary, made durable,
-    and ``TrainingPreempted`` ends the process cleanly.
+    (``jaxdist.memstate.StateTier``): every few steps (as often as its cost budget allows: every
+    step for small states) the state and input position are copied to host shared memory in the
+    background, and a restarted job resumes from the newest step the job's processes hold (put
+    together over the network when hosts changed), so a failure costs at most the few steps the
+    tier announces; the backups in ``directory`` are used when they are newer or the memory tier is
+    gone. On a preemption notice (SIGTERM; agreed across processes), or a stop the elastic agents
+    agreed on, the tier and a backup are written at the next step boundary, made durable, and
+    ``TrainingPreempted`` ends the process cleanly.
 
     Args:
       directory: backup directory (shared by all processes).
@@ -230,13 +257,20 @@ class BackupAndRestore(ModelCheckpoint):
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
         self._notice.install()
         self.saved = []
+        resume = self._resume(info)
+        beat = heartbeat.current()
+        if beat is not None:  # the launcher counts steps from where this run starts
+            beat.set_step(resume.step if resume is not None else info.step)
+        return resume
+
+    def _resume(self, info: TrainInfo) -> Resume | None:
         snap = self.memory.resume(info.state, info.strategy)
         disk = self.manager.latest_step()
         if snap is not None and (disk is None or snap.step >= disk):
             data = snap.data_state or {}
             self.restored_step, self.restored_from = snap.step, "memory"
-            logger.info("restored step %d from memory (process %d; epoch %d, batch %d)",
-                        snap.step, snap.source, data.get("epoch", 0), data.get("position", 0))
+            logger.info("restored step %d from memory (epoch %d, batch %d)", snap.step,
+                        data.get("epoch", 0), data.get("position", 0))
             return Resume(state=snap.state, step=snap.step, epoch=data.get("epoch", info.epoch),
                           position=data.get("position", 0), source=f"memory:{snap.step}")
         # The newest backup that restores intact: a corrupt or half-written newer one is skipped
@@ -255,8 +289,7 @@ class BackupAndRestore(ModelCheckpoint):
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
         super().on_train_batch_end(info)
-        self.memory.save(info.step, info.state,
-                         info.iterator.state() if info.iterator is not None else None)
+        position = info.iterator.state() if info.iterator is not None else None
         stop = self.memory.stop_step()
         # With steps_per_execution=K a call ends every K steps: stop at the first end at or past
         # the step asked for (every process ends its calls at the same steps).
@@ -264,8 +297,10 @@ class BackupAndRestore(ModelCheckpoint):
             if info.step - info.call_steps >= stop:
                 raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
                                    f"{info.step}; handled as a failure (resumes from memory)")
-            # Every process stops here (the elastic agents agreed on the step): the job re-forms.
+            # Every process stops here (the elastic agents agreed on the step): the job re-forms,
+            # from this very step (the tier's snapshot of it, forced and waited for).
             logger.info("stopping at step %d to re-form the job", stop)
+            self.memory.save(info.step, info.state, position, force=True)
             self.memory.flush()
             self._save(info)
             self.manager.wait_until_finished()
@@ -273,9 +308,12 @@ class BackupAndRestore(ModelCheckpoint):
         # Every step of the call is offered, in order: JAX's preemption sync point is one step.
         if any([self._notice.reached(s)
                 for s in range(info.step - info.call_steps + 1, info.step + 1)]):
+            self.memory.save(info.step, info.state, position, force=True)
+            self.memory.flush()
             self._save(info)
             self.manager.wait_until_finished()
             raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()
+        self.memory.save(info.step, info.state, position)
 
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxdist.core import replica
 
 
 def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = None, *,
-                         sample_weight: jax.Array | float | None = None) -> jax.Array:
+                         sample_weight: jax.Array | float | None = None,
+                         global_batch_size: int | None = None) -> jax.Array:
     """The mean of ``per_example_loss`` over the real examples of the *global* batch.
 
     In a global-view step this is ``sum(loss * mask) / sum(mask)``. Inside ``strategy.run`` each
@@ -27,10 +29,16 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
     number of examples, not by the sum of the weights (losses ``[1, 2, 3, 4]``, weights
     ``[1, 0, 1, 0.5]``: ``6 / 4 = 1.5``, tf's value). Padding rows still count for nothing.
 
+    ``global_batch_size`` has the meaning of tf's too: the (weighted, masked) sum is divided by
+    it instead of by the number of real examples, in either view. On a full batch that is the
+    same number; on a padded last batch of 5 real rows in batches of 8 the result is 5/8 of
+    their mean, as tf's is on its short last batch. Leave it out for the exact mean.
+
     Args:
       per_example_loss: ``[batch, ...]`` losses.
       mask: optional bool ``[batch]``; False marks padding (``jaxdist.Batch.mask``).
       sample_weight: optional weights, a scalar or ``[batch]`` (tf's ``sample_weight``).
+      global_batch_size: optional divisor, a positive int (tf's ``global_batch_size``).
 
     Returns:
       A scalar.
@@ -38,7 +46,8 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
     Raises:
       TypeError: a ``mask`` that is not boolean (a float mask is ambiguous: pass weights as
         ``sample_weight``).
-      ValueError: a scalar loss, or a mask / weights of another batch shape.
+      ValueError: a scalar loss, a mask / weights of another batch shape, or a
+        ``global_batch_size`` that is not a positive int.
 
     >>> import jax.numpy as jnp
     >>> float(compute_average_loss(jnp.array([1.0, 3.0, 100.0]), jnp.array([True, True, False])))
@@ -46,7 +55,10 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
     >>> float(compute_average_loss(jnp.array([1.0, 2.0, 3.0, 4.0]),
     ...                            sample_weight=jnp.array([1.0, 0.0, 1.0, 0.5])))
     1.5
+    >>> float(compute_average_loss(jnp.array([1.0, 3.0]), global_batch_size=4))  # tf: 4 / 4
+    1.0
     """
+    _check_global_batch_size(global_batch_size)
     loss = jnp.asarray(per_example_loss)
     if loss.ndim == 0:
         raise ValueError("compute_average_loss expects per-example losses of shape [batch, ...], "
@@ -75,8 +87,26 @@ def compute_average_loss(per_example_loss: jax.Array, mask: jax.Array | None = N
                              "example")
         loss = loss * weight
     total = jnp.sum(jnp.where(mask, loss, 0.0))
+    if global_batch_size is not None:  # tf's divisor: the same in both views, no collective
+        return total / jnp.asarray(global_batch_size, total.dtype)
     count = jnp.sum(mask, dtype=jnp.float32)
     ctx = replica.current()
     if ctx is not None and ctx.per_replica and ctx.axes:
         count = jax.lax.psum(count, ctx.axes)
     return total / jnp.maximum(count, 1)
+
+
+def _check_global_batch_size(global_batch_size) -> None:
+    """tf requires a positive integer scalar; a traced one is taken as it is."""
+    if global_batch_size is None:
+        return
+    try:
+        value = np.asarray(global_batch_size)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if value.ndim or value.dtype.kind not in "iu" or isinstance(global_batch_size, bool) \
+            or int(value) <= 0:
+        raise ValueError(f"compute_average_loss(global_batch_size=...) takes a positive int, the "
+                         f"global batch size that tf divides the summed loss by (e.g. 128), got "
+                         f"{global_batch_size!r}; or leave it out and pass mask=batch.mask for the "
+                         "mean over the real examples")

@@ -287,9 +287,9 @@ def run(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs: dict
     if keeps_state:
         n_state = compiled.state_leaves
         if len(raw) > n_state:  # an output the next step does not consume: wait on it
-            cache.in_flight.add_handle(raw[n_state], out[0])
+            cache.in_flight.add_handle(raw[n_state], out[0], trains=True)
         else:
-            cache.in_flight.add(out[1], out[0])
+            cache.in_flight.add(out[1], out[0], trains=True)
         plan.expect(out[0], raw[:n_state])
     else:
         cache.in_flight.add(out, ())

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 
-from jaxdist.core import replica
+from jaxdist.core import progress, replica
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import (Batch, StaticKey, explaining_batch_errors, is_static_leaf, join_static,
                             split_leaves, split_static)
@@ -60,20 +60,25 @@ class InFlight:
         self._pending: collections.deque = collections.deque()
         self._calls = 0
 
-    def add(self, keep: PyTree, consumed: PyTree) -> None:
-        """Records a dispatched step: ``keep`` survives the next step, ``consumed`` may not."""
+    def add(self, keep: PyTree, consumed: PyTree, *, trains: bool = False, steps: int = 1) -> None:
+        """Records a dispatched call: ``keep`` survives the next call, ``consumed`` may not;
+        ``trains``: a training call (it handed back a new state) of ``steps`` steps, reported as
+        progress."""
         leaves = jax.tree.leaves(keep)
         # The first leaf that can be waited for (static leaves, an Equinox module's functions
         # say, cannot); usually the very first.
         if leaves and hasattr(leaves[0], "block_until_ready"):
-            self.add_handle(leaves[0], consumed)
+            self.add_handle(leaves[0], consumed, trains=trains, steps=steps)
         else:
             self.add_handle(next((x for x in leaves if hasattr(x, "block_until_ready")), None),
-                            consumed)
+                            consumed, trains=trains, steps=steps)
 
-    def add_handle(self, handle: Any, consumed: PyTree) -> None:
+    def add_handle(self, handle: Any, consumed: PyTree, *, trains: bool = False,
+                   steps: int = 1) -> None:
         """``add`` given the leaf of ``keep`` to wait for (None: it has none)."""
         self._calls += 1
+        if trains:
+            progress.report(steps, handle)
         if handle is None:
             if self._calls % self.max_in_flight == 0:
                 jax.block_until_ready(consumed)
@@ -271,9 +276,9 @@ class DistributedStep:
             expected, metrics = out
             leaves = jax.tree.leaves(metrics)
             if leaves and hasattr(leaves[0], "block_until_ready"):
-                self._in_flight.add_handle(leaves[0], expected)
+                self._in_flight.add_handle(leaves[0], expected, trains=True)
             else:
-                self._in_flight.add(metrics, expected)
+                self._in_flight.add(metrics, expected, trains=True)
         else:
             self._in_flight.add(out, ())
             expected = state
@@ -374,7 +379,7 @@ class DistributedStep:
         compiled, keeps_state = entry
         out = compiled(state, batches, count)
         if keeps_state:
-            self._in_flight.add(out[1], out[0])
+            self._in_flight.add(out[1], out[0], trains=True, steps=int(count))
         else:
             self._in_flight.add(out, ())
         return out
@@ -458,7 +463,7 @@ class DistributedStep:
         with replica.enter(layout.context(per_replica=False)):
             flat = compiled(arrays, batch)
         if keeps_state:
-            self._in_flight.add(flat[n_state:], flat[:n_state])
+            self._in_flight.add(flat[n_state:], flat[:n_state], trains=True)
         else:
             self._in_flight.add(flat, ())
         return rebuild(flat)
@@ -531,7 +536,7 @@ class DistributedStep:
         out = compiled(arrays, batches, count)
         if keeps:
             new, extras = out
-            self._in_flight.add(extras, new)
+            self._in_flight.add(extras, new, trains=True, steps=int(count))
             return rebuild([*new, *extras])
         self._in_flight.add(out, ())
         return rebuild(out)

@@ -47,6 +47,9 @@ class PerReplica:
     with no reshape in the compiled step: a reshape between a step's update and its donated output
     makes XLA:CPU recompute the update and copy the state (measured: ~8% of an MLP step).
 
+    Reading one as a number on the host (``float(loss)``) is a ``TypeError`` that names
+    ``strategy.reduce``.
+
     >>> import jax.numpy as jnp
     >>> PerReplica(jnp.zeros((2, 3)))
     PerReplica((2, 3))
@@ -85,6 +88,30 @@ class PerReplica:
         obj = object.__new__(cls)
         obj._value, obj._blocks, obj._mask = children[0], aux, None
         return obj
+
+    # A per-replica value has no single number: reading it as one on the host (tf habits:
+    # float(loss), f"{loss:.4f}", np.asarray(loss)) says how to combine the replicas first.
+    def _not_one_value(self, what: str):
+        raise TypeError(
+            f"{what} of a jaxdist.PerReplica: it holds one value per replica, not one value. "
+            "Combine them first: strategy.reduce('sum', value) (a loss from "
+            "jaxdist.compute_average_loss: each replica's share of the global mean) or "
+            "strategy.reduce('mean', value); strategy.experimental_local_results(value) gives "
+            "each replica's own")
+
+    def __float__(self):
+        self._not_one_value("float()")
+
+    def __int__(self):
+        self._not_one_value("int()")
+
+    def __array__(self, dtype=None, copy=None):
+        self._not_one_value("a numpy array")
+
+    def __format__(self, spec: str) -> str:
+        if spec:
+            self._not_one_value(f"formatting with {spec!r}")
+        return repr(self)
 
     def __repr__(self) -> str:
         n = self._blocks

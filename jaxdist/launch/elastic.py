@@ -32,6 +32,7 @@ round yet has no one to move to and exits with status 1.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -41,11 +42,13 @@ import threading
 import time
 from typing import Any
 
+from jaxdist.launch import memstate
 from jaxdist.launch._procs import describe_exit, free_ports
 from jaxdist.launch.cluster import ClusterSpec, split_address
-from jaxdist.launch.hang import HangDetector
-from jaxdist.launch.memstate import heartbeat_path, stop_path, write_stop
-from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
+from jaxdist.launch.hang import HangDetector, waited_for
+from jaxdist.launch.heartbeat import heartbeat_path
+from jaxdist.launch.memstate import stop_path, write_stop
+from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, probe, serve
 
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
@@ -79,7 +82,7 @@ class Agent:
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
-        self.server = serve(f"{host}:{port}")
+        self.server = serve(f"{host}:{port}", own_job=rdzv_id)
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
@@ -90,6 +93,9 @@ class Agent:
         self._quiet = False
         self._stop: int | None = None
         self._last_order: int | None = None
+        self._said_quorum: int | None = None
+        self._cleaned = 0  # rounds below this one have had their keys removed
+        self.identity = _identity(launcher)
 
     def say(self, message: str) -> None:
         self.l.say(f"[agent {self.id}] {message}")
@@ -125,10 +131,16 @@ class Agent:
                 regs = self.store.list(f"r{n}/member/")
                 alive = set(self._alive_agents())
                 leaving = set(self.store.list("leaving/"))
+                rejected = set(self.store.list("rejected/"))
+                prev = self.store.get(f"r{n - 1}/final") if n > 0 else None
+                moved = self.store.get("moved") == n
             except RendezvousError:
                 continue
-            ready = {k: v for k, (v, _) in regs.items() if k in alive and k not in leaving}
-            if len(ready) < self.min:
+            ready = {k: v for k, (v, _) in regs.items()
+                     if k in alive and k not in leaving and k not in rejected}
+            ready = self._refuse_mismatched(ready, prev)
+            if len(ready) < self.min or not self._quorum(n, ready, prev, leaving | rejected,
+                                                         moved):
                 continue
             newest = min(age for _, age in regs.values())
             oldest = max(age for _, age in regs.values())
@@ -139,6 +151,53 @@ class Agent:
                 order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
                 self.store.set(f"r{n}/final", [[k, ready[k]] for k in order])
                 self.store.set("open", n + 1)
+                # Rounds before the last are over: their keys go (a long job keeps a few).
+                for old in range(self._cleaned, n - 1):
+                    self.store.delete_prefix(f"r{old}/")
+                self._cleaned = max(self._cleaned, n - 1)
+
+    def _refuse_mismatched(self, ready: dict, prev: list | None) -> dict:
+        """Leaves out (and marks refused) the agents whose jaxdist or JAX version or devices per
+        process differ from the job's: the last round's, or for the first round the most common
+        among those registered. A mismatched host would abort every round in its collectives."""
+        if prev:
+            job = prev[0][1].get("identity")
+        else:
+            kinds = [json.dumps(v.get("identity"), sort_keys=True) for v in ready.values()]
+            job = json.loads(max(set(kinds), key=kinds.count)) if kinds else None
+        if job is None:
+            return ready
+        out = {}
+        for k, v in ready.items():
+            mine = v.get("identity") or {}
+            diff = [f"{name} {mine.get(name)!r} (the job's: {job.get(name)!r})"
+                    for name in sorted(set(job) | set(mine)) if mine.get(name) != job.get(name)]
+            if diff:
+                self.store.set(f"rejected/{k}", "; ".join(diff))
+                self.say(f"agent {k} refused: its {'; '.join(diff)} differ from the job's")
+            else:
+                out[k] = v
+        return out
+
+    def _quorum(self, n: int, ready: dict, prev: list | None, gone: set, moved: bool) -> bool:
+        """Whether round ``n`` may form with ``ready``: it must hold half the hosts of the last
+        round (those that left or were refused aside), or more than half when the store has
+        just moved. Two sides of a network partition can then never both go on: the store's
+        side needs half, the other a majority to move the store (ties go to the store's side)."""
+        if not prev:
+            return True
+        last = {k for k, _ in prev} - gone
+        if not last:
+            return True
+        here = len(last & set(ready))
+        enough = here * 2 > len(last) if moved else here * 2 >= len(last)
+        if not enough:
+            quorum = {"here": here, "of": len(last), "moved": moved}
+            if self._said_quorum != n:
+                self._said_quorum = n
+                self.store.set("quorum", {"round": n, **quorum})
+                self.say(_quorum_message(**quorum))
+        return enough
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -147,7 +206,14 @@ class Agent:
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
             self.store.set("server", self.id)
+        else:
+            try:  # a port held by another program, or another job's token: say so at once
+                probe(self.store.address)
+            except RendezvousError as e:
+                self.say(str(e))
+                return 2
         self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
+        self.store.set_if_absent("done", 0)  # so that the job's end never needs a new key
         threading.Thread(target=self._beat, daemon=True).start()
         if self.server is not None:
             threading.Thread(target=self._close_rounds, daemon=True).start()
@@ -162,6 +228,10 @@ class Agent:
                     if not self._fail_over(e):
                         raise
                     joined, outcome, code = (), "failed", 1  # the round's processes are gone
+                except Refused as e:
+                    self.say(f"this host is refused by the job: {e}; it does not join (start "
+                             "it with the job's settings). The job goes on without it")
+                    return 2
                 if joined is None:
                     if self.l._signal is not None:
                         self.say(f"received {signal.Signals(self.l._signal).name} between "
@@ -169,6 +239,11 @@ class Agent:
                         return 0 if clean else 128 + self.l._signal
                     if self.store.get("done"):
                         return 0
+                    quorum = self.store.get("quorum")
+                    if quorum is not None and quorum.get("round") == self.store.get("open"):
+                        self.say(f"{_quorum_message(quorum['here'], quorum['of'], quorum['moved'])}"
+                                 f"; after {self.rdzv_timeout_s:g} s, exiting")
+                        return 0 if clean else 1
                     here = sorted(f"{host} (agent {k})" for k, host in self._alive_agents().items())
                     self.say(f"fewer than {self.min} agents registered within "
                              f"{self.rdzv_timeout_s:g} s ({len(here)} did: "
@@ -177,13 +252,15 @@ class Agent:
                              "and --rdzv-id on the missing hosts, or lower MIN in --nnodes); "
                              "exiting")
                     return 0 if clean else 1
-                if outcome in ("done", "left", "signal"):
+                if outcome in ("done", "left", "signal", "refused"):
                     return code
                 clean = outcome == "drained"
                 if not clean:
                     failures += 1
                     if failures > self.max_restarts:
                         self.say(f"job failed after {failures - 1} restart(s) of this agent")
+                        return code or 1
+                    if self.l.repeated(self.l._failures[-1][3] if self.l._failures else ""):
                         return code or 1
                     self.l.restarts += 1
         except RendezvousError as e:
@@ -221,11 +298,18 @@ class Agent:
             order = self._last_order if self._last_order is not None else 1 << 30
             self.store.set(f"r{n}/member/{self.id}", {
                 "addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
-                "order": order})
+                "order": order, "identity": self.identity})
             while time.monotonic() < deadline and self.store.get("open") == n:
                 time.sleep(0.05)
-                if len(self._alive_agents()) >= self.min:  # a round runs or forms: enough hosts
-                    deadline = time.monotonic() + self.rdzv_timeout_s
+                refused = self.store.get(f"rejected/{self.id}")
+                if refused:
+                    raise Refused(refused)
+                if self.store.get("done"):
+                    return None  # the job ended while this agent waited: nothing to join
+                quorum = self.store.get("quorum")
+                waiting = quorum is not None and quorum.get("round") == n
+                if len(self._alive_agents()) >= self.min and not waiting:
+                    deadline = time.monotonic() + self.rdzv_timeout_s  # a round runs or forms
             final = self.store.get(f"r{n}/final")
             if final and any(k == self.id for k, _ in final):
                 return n, final
@@ -246,7 +330,8 @@ class Agent:
                  f"{coordinator}")
         state_dir = self.l._state_dir
         for path in [stop_path(state_dir)] + [
-                heartbeat_path(state_dir, r) for r in range(first, first + self.nproc)]:
+                p for r in range(first, first + self.nproc)
+                for p in (heartbeat_path(state_dir, r), memstate.outcome_path(state_dir, r))]:
             try:
                 os.remove(path)
             except FileNotFoundError:
@@ -262,15 +347,22 @@ class Agent:
 
     def _watch(self, n: int, ids: list[str], first: int, procs: list) -> tuple[str, int]:
         ranks = {first + i: p.pid for i, p in enumerate(procs)}
-        detector = HangDetector(self.l._state_dir, ranks,
-                                timeout_s=self.l._options.hang_timeout_s)
+        local = {first + i: p for i, p in enumerate(procs)}
+        state_dir = self.l._state_dir
+        detector = HangDetector(state_dir, ranks, timeout_s=self.l._options.hang_timeout_s)
         draining = False
         store_ok = time.monotonic()
+        silent_said = False
+        published = 0.0
 
-        def fail(reason: str, code: int = 1) -> tuple[str, int]:
+        def fail(reason: str, code: int = 1, ranks_at_fault=()) -> tuple[str, int]:
             self.say(f"round {n} failed: {reason}; last completed step per local rank "
                      f"{detector.last_steps()}")
-            self.store.set_if_absent(f"r{n}/failed", reason)  # a silent store: see _fail_over
+            self.l.record_failure(reason, detector.last_steps(), [str(r) for r in ranks_at_fault])
+            try:  # first, so that the other hosts' survivors write their copies meanwhile
+                self.store.set_if_absent(f"r{n}/failed", reason)
+            finally:  # a silent store raises: see _fail_over
+                self.l.flush_survivors(local)
             return "failed", code
 
         while True:
@@ -283,45 +375,77 @@ class Agent:
                 self.say(f"received {signal.Signals(self.l._signal).name}: this host leaves "
                          "the job at a step every process agrees on")
                 self.store.set(f"leaving/{self.id}", 1)
+            outcomes = {r: memstate.read_outcome(state_dir, r) for r, c in zip(local, codes)
+                        if c is not None}
+            refused = next((o["rejected"] for o in outcomes.values() if o and "rejected" in o),
+                           None)
+            if refused is not None:
+                self.store.set(f"rejected/{self.id}", refused)
+                self.say(f"this host is refused by the job: {refused}. It leaves; the job "
+                         "re-forms without it")
+                return "refused", 2
             for i, code in enumerate(codes):
                 if code not in (None, 0) and (not draining or None not in codes):
                     return fail(f"rank {first + i} on host {self.hostname} "
-                                f"{describe_exit(code)}", code if code > 0 else 128 - code)
+                                f"{describe_exit(code)}", code if code > 0 else 128 - code,
+                                [first + i])
             if all(code == 0 for code in codes):
+                if any(o and "reform" in o for o in outcomes.values()):
+                    self.say(f"round {n}: a host was refused (another state than the job's); "
+                             "the job re-forms without it")
+                    return "drained", 0
                 if self._leaving:
                     self.say(f"left the job at step {self._stop if draining else 'end'}")
                     if self.server is not None:
                         self._serve_until_done()
                     return "left", 0
-                if draining:
+                if draining and self._reached(detector, self._stop):
                     self.say(f"stopped at step {self._stop} to re-form the job")
                     return "drained", 0
-                self.store.set("done", 1)
+                # every process finished training (before any stop step that was asked for)
+                try:
+                    self.store.set("done", 1)
+                except RendezvousError:
+                    pass  # a silent store: the agents that still need it learn it from JAX
                 return "done", 0
             hung = detector.check([first + i for i, c in enumerate(codes) if c is None])
             if hung and not draining:
                 for h in hung:
                     self.say(h.describe(self.hostname, detector.timeout_s))
-                return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung")
+                self.say(waited_for(self._job_progress(n, detector)))
+                self.l.dump_stacks({r: p.pid for r, p in local.items() if p.poll() is None})
+                return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung",
+                            ranks_at_fault=[h.rank for h in hung])
             try:
                 failed = self.store.get(f"r{n}/failed")
                 alive = {k: age for k, (_, age) in self.store.list("alive/").items()}
-                leaving = set(self.store.list("leaving/"))
+                leaving = set(self.store.list("leaving/")) | set(self.store.list("rejected/"))
                 joiners = [k for k in self.store.list(f"r{n + 1}/member/") if k not in ids]
                 stop = self.store.get(f"r{n}/drain")
                 done = self.store.get("done")
-                store_ok = time.monotonic()
+                if time.monotonic() - published > 1.0:  # for naming the rank a hang waits for
+                    published = time.monotonic()
+                    self.store.set(f"r{n}/progress/{self.id}", {
+                        str(r): (b.dispatched if b is not None else None)
+                        for r, b in detector.progress().items()})
+                store_ok, silent_said = time.monotonic(), False
             except RendezvousError:
-                if time.monotonic() - store_ok > self.host_timeout_s:
-                    self.say(f"round {n} failed: the rendezvous store is silent; last completed "
-                             f"step per local rank {detector.last_steps()}")
-                    raise
+                if time.monotonic() - store_ok > self.host_timeout_s and not silent_said:
+                    silent_said = True
+                    # This host's processes do not need the store: they go on (and finish, or
+                    # save their last backup); only a failure needs it, to re-form.
+                    self.say(f"round {n}: the rendezvous store is silent; this host's processes "
+                             "go on, and the job re-forms only if one of them fails")
                 continue
             if done:
                 continue  # another host's processes finished: ours are finishing too
             if failed:
                 self.say(f"round {n} ended by a failure elsewhere: {failed}; last completed "
                          f"step per local rank {detector.last_steps()}")
+                if "hung" in failed:
+                    self.l.dump_stacks({r: p.pid for r, p in local.items() if p.poll() is None})
+                self.l.flush_survivors(local)
+                self.l.record_failure(failed, detector.last_steps())
                 return "failed", 1
             lost = [k for k in ids if k != self.id and k not in leaving
                     and alive.get(k, math.inf) > self.host_timeout_s]
@@ -329,7 +453,7 @@ class Agent:
                 return fail(f"host(s) {lost} lost (agent silent for more than "
                             f"{self.host_timeout_s:g} s)")
             if stop is None and (joiners or self._leaving or (leaving & set(ids))):
-                steps = [s for s in detector.last_steps().values() if s is not None]
+                steps = [b.dispatched for b in detector.progress().values() if b is not None]
                 if steps:  # a stop step needs a step to count from
                     step_s = detector.median_step_s() or 0.05
                     ahead = max(4, math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
@@ -339,6 +463,25 @@ class Agent:
             if stop is not None and not draining:
                 draining, self._stop = True, stop
                 write_stop(self.l._state_dir, stop)
+
+    def _reached(self, detector: HangDetector, stop: int | None) -> bool:
+        """Whether this host's processes stopped at the agreed step (not earlier: they finished
+        training first, when the step asked for lies past the end)."""
+        steps = [b.dispatched for b in detector.progress().values() if b is not None]
+        return stop is not None and bool(steps) and max(steps) >= stop
+
+    def _job_progress(self, n: int, detector: HangDetector) -> dict[int, int | None]:
+        """Every rank's dispatched steps in round ``n``: this host's from its heartbeats, the
+        others' as their agents last published them."""
+        steps: dict[int, int | None] = {}
+        try:
+            for _, (ranks, _) in self.store.list(f"r{n}/progress/").items():
+                steps.update({int(r): s for r, s in (ranks or {}).items()})
+        except RendezvousError:
+            pass
+        steps.update({r: (b.dispatched if b is not None else None)
+                      for r, b in detector.progress().items()})
+        return steps
 
     def _fail_over(self, error: RendezvousError) -> bool:
         """Moves the store to the next agent of the last round when its host is lost.
@@ -366,13 +509,17 @@ class Agent:
                 continue
             address = f"{info['addr']}:{self._rdzv_port}"
             if k == self.id:
-                self.server = serve(address)
+                self.server = serve(address, own_job=self.rdzv_id)
                 if self.server is None:
                     self.say(f"cannot serve the rendezvous store on {address} (port taken)")
                     return False
                 self._use_store(address)
                 self.store.set("server", self.id)
+                # The next round needs a majority of the last one (see _quorum).
+                self.store.set(f"r{self._round}/final", self._members)
+                self.store.set("moved", self._round + 1)
                 self.store.set("open", self._round + 1)
+                self.store.set_if_absent("done", 0)
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
                          f"it now on {address} (new agents: --rdzv-endpoint {address})")
@@ -424,6 +571,33 @@ class Agent:
             elif time.monotonic() - quiet_since > self.rdzv_timeout_s:
                 return
             time.sleep(0.2)
+
+
+class Refused(RuntimeError):
+    """This agent was refused by the job (its settings differ from the job's)."""
+
+
+def _identity(launcher: Any) -> dict[str, Any]:
+    """What must match across the job's hosts: the versions and devices per process."""
+    import jax
+
+    import jaxdist
+
+    return {"jaxdist": jaxdist.__version__, "jax": jax.__version__,
+            "devices_per_process": launcher._options.devices_per_process}
+
+
+def _quorum_message(here: int, of: int, moved: bool) -> str:
+    """Why a round waits: too few of the last round's hosts.
+
+    >>> _quorum_message(1, 3, False).split(":")[0]
+    "only 1 of the last round's 3 host(s) are here"
+    """
+    return (f"only {here} of the last round's {of} host(s) are here: a network partition may be "
+            f"splitting the job, and only a side with half of them (with the rendezvous store) "
+            f"or more than half (moving the store) may go on, so the two sides can never both "
+            f"train. If the others are gone for good, start the job again on these hosts: it "
+            f"resumes from the in-memory state or the backup")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -7,6 +7,7 @@ watching for failures and hangs, restarting, and killing everything the job star
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -21,11 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from jaxdist.launch import memstate
 from jaxdist.launch import reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec
-from jaxdist.launch.hang import HangDetector
-from jaxdist.launch.memstate import ENV_STATE_DIR, heartbeat_path
+from jaxdist.launch.hang import HangDetector, request_stacks, waited_for
+from jaxdist.launch.hang import process_state as hang_process_state
+from jaxdist.launch.heartbeat import ENV_STATE_DIR, heartbeat_path
 
 _PREFIX = "jaxdist launch: "
 EXIT_TIMEOUT = 124
@@ -33,6 +36,13 @@ EXIT_HUNG = 125
 ENV_INIT_TIMEOUT = "JAXDIST_INIT_TIMEOUT"
 # How long, in all, to wait for the output readers once a group's processes are gone.
 _READER_JOIN_S = 2.0
+# How long hung ranks get to print their Python stacks before the group is killed.
+_STACKS_S = 2.0
+# How long the survivors of a failure get to write their newest copy of the state (plus a
+# second per 500 MB of it).
+_FLUSH_S = 3.0
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Exit|Interrupt|Full|Failure)|"
+                         r"[\w.]*BadZipFile|Killed|Segmentation fault|Fatal Python error)\b.*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +120,12 @@ def _make_state_dir() -> str:
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     root = base or tempfile.gettempdir()
-    for name in os.listdir(root):
-        match = re.fullmatch(r"jaxdist-state-(\d+)-\w+", name)
-        if match and not _alive(int(match[1])):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for where, pattern in ((root, r"jaxdist-state-(\d+)-\w+"),
+                           (tempfile.gettempdir(), r"jaxdist-xla-cache-(\d+)-\w+")):
+        for name in os.listdir(where):
+            match = re.fullmatch(pattern, name)
+            if match and not _alive(int(match[1])):
+                shutil.rmtree(os.path.join(where, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"jaxdist-state-{os.getpid()}-", dir=base)
 
 
@@ -152,6 +164,10 @@ class _Launcher:
         # launch): once a group's processes are gone, every child left is an adopted orphan.
         self.subreaper = False
         self._state_dir: str | None = None
+        self._own_state_dir = True  # made here (removed at the end), not the user's
+        self._tails: dict[str, collections.deque] = {}
+        self._failures: list[tuple] = []  # signatures of this job's failures, in order
+        self._tier_seen: float | None = None
 
     def say(self, message: str) -> None:
         self._emit("stderr", (_PREFIX + message + "\n").encode())
@@ -173,23 +189,33 @@ class _Launcher:
                 reaper.kill_tagged(self._token)
         # JAXDIST_MEMORY_TIER=0 turns the in-memory tier off (what restarts cost without it).
         if self._env.get("JAXDIST_MEMORY_TIER", "1") != "0":
-            self._state_dir = _make_state_dir()
+            given = self._env.get(ENV_STATE_DIR)
+            if given:  # the user's (a kept tier to resume from, say): used, never removed
+                self._state_dir, self._own_state_dir = given, False
+                os.makedirs(given, exist_ok=True)
+            else:
+                self._state_dir = _make_state_dir()
         elif options.nnodes is not None:
             raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
+        code = 1
         try:
             if options.nnodes is not None:
                 from jaxdist.launch.elastic import Agent
 
-                return Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
+                code = Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
                              rdzv_id=options.rdzv_id, nproc=options.num_processes,
                              max_restarts=options.max_restarts,
                              rdzv_timeout_s=options.rdzv_timeout_s,
                              last_call_s=options.rdzv_last_call_s).run()
-            return self._run_spmd(deadline)
+            else:
+                code = self._run_spmd(deadline)
+            return code
         finally:
             reaper.kill_tagged(self._token)
-            if self._state_dir is not None:
-                shutil.rmtree(self._state_dir, ignore_errors=True)
+            if getattr(self, "_cache_dir", None) is not None:
+                shutil.rmtree(self._cache_dir, ignore_errors=True)
+            if self._state_dir is not None and self._own_state_dir:
+                self._keep_or_remove_state(failed=code != 0 and self._signal is None)
 
     def _run_spmd(self, deadline: float | None) -> int:
         options = self._options
@@ -202,10 +228,19 @@ class _Launcher:
                 self.say(f"job failed: {failure}" + (
                     f" (after {attempt} restart(s))" if attempt else ""))
                 return code
+            if self.repeated(failure):
+                return code
             self.restarts += 1
             self.say(f"{failure}; restarting the group "
                      f"(restart {attempt + 1} of {options.max_restarts})")
         raise AssertionError("unreachable")
+
+    def _compile_cache(self) -> str:
+        import tempfile
+
+        if getattr(self, "_cache_dir", None) is None:
+            self._cache_dir = tempfile.mkdtemp(prefix=f"jaxdist-xla-cache-{os.getpid()}-")
+        return self._cache_dir
 
     def child_env(self, extra: Mapping[str, str], attempt: int) -> dict[str, str]:
         env = dict(self._env)
@@ -214,8 +249,9 @@ class _Launcher:
         env.pop(ENV_STATE_DIR, None)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
-            # Restarts (and later jobs, when the user names a directory) skip compilation.
-            env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self._state_dir, "xla-cache"))
+            # Restarts skip compilation. The cache lives on disk, not in the tier's shared memory:
+            # a full /dev/shm must not leave truncated entries that every restart reads again.
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", self._compile_cache())
             env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
             env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
         if self._options.init_timeout_s is not None:
@@ -225,6 +261,103 @@ class _Launcher:
             env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         return env
+
+    def record_failure(self, description: str, steps: Mapping[int, int | None],
+                       ranks: Sequence[str] = ()) -> None:
+        """Remembers a failure's signature: what failed, the error the ranks printed last, and
+        the step it failed after (a fault that comes back is the same on all three)."""
+        errors = tuple(self.last_error(r) for r in ranks)
+        known = [v for v in steps.values() if v is not None]
+        step = max(known, default=None)
+        # A process that raised the same error is the same fault wherever it struck; one killed
+        # (by a signal, or hung) is the same only at the same step (an OOM at one batch, say).
+        where = None if any(errors) else step
+        self._failures.append((re.sub(r"pid \d+|[\d.]+ s\b", "", description), errors,
+                               where, description, step))
+
+    def repeated(self, failure: str) -> bool:
+        """True (after saying so) when the last two failures were the same: retrying a fault
+        that comes back the same way spends every restart and helps nothing."""
+        if len(self._failures) < 2 or self._failures[-1][:3] != self._failures[-2][:3]:
+            return False
+        _, errors, _, _, step = self._failures[-1]
+        error = next((e for e in errors if e), None)
+        where = f"after step {step}" if step is not None else "before any step"
+        self.say(f"the same failure twice in a row ({failure}, {where}"
+                 + (f": {error}" if error else "") + "): it comes back each time, so the job is "
+                 "not restarted again. Fix its cause, then run the same command again: it "
+                 "resumes from the newest backup (BackupAndRestore's directory)"
+                 + (" or from the in-memory state kept below" if self._state_dir else ""))
+        return True
+
+    def last_error(self, label: str) -> str | None:
+        """The last error line a process printed (a Python exception's last line, say)."""
+        for line in reversed(self._tails.get(label, ())):
+            if _ERROR_LINE.match(line):
+                return line[:300]
+        return None
+
+    def _keep_or_remove_state(self, failed: bool) -> None:
+        """A failed job's in-memory state is kept (it may be all that saves the work); a job that
+        ended well removes it."""
+        kept = failed and any(True for _ in memstate._slots.slots(self._state_dir))
+        if not kept:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+            return
+        head, name = os.path.split(self._state_dir.rstrip("/"))
+        target = os.path.join(head, name.replace("jaxdist-state-", "jaxdist-state-kept-", 1))
+        try:
+            os.replace(self._state_dir, target)
+        except OSError:
+            target = self._state_dir
+        for junk in ("xla-cache",):
+            shutil.rmtree(os.path.join(target, junk), ignore_errors=True)
+        self.say(f"the job failed; its in-memory state is kept in {target} (host memory: remove "
+                 f"it with `rm -r {target}` when done). To resume from it, run the same command "
+                 f"with {ENV_STATE_DIR}={target} in the environment")
+
+    def announce_tier(self) -> None:
+        """Prints rank 0's in-memory tier cadence when it is first known or changes."""
+        if self._state_dir is None:
+            return
+        path = memstate.tier_path(self._state_dir, 0)
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime == self._tier_seen:
+                return
+            with open(path, "rb") as f:
+                info = json.loads(f.read())
+            self._tier_seen = mtime
+            self.say(memstate.describe_tier(info))
+        except (OSError, ValueError):
+            pass
+
+    def flush_survivors(self, procs: Mapping[int, subprocess.Popen]) -> None:
+        """Before a failed group is killed: asks its live processes to write their newest copy
+        of the state (``jaxdist.launch.memstate``), and waits a few seconds for them. For a
+        replicated state any survivor's copy holds the whole step, so the restart loses at
+        most the steps since that copy, not since the last write."""
+        d = self._state_dir
+        if d is None:
+            return
+        alive = {r: p for r, p in procs.items()
+                 if p.poll() is None and memstate.watches_flush(d, r)
+                 and hang_process_state(p.pid) != "stopped"}
+        if not alive:
+            return
+        token = memstate.request_flush(d)
+        size = max((memstate.read_tier(d, r) or {}).get("bytes", 0) for r in alive)
+        end = time.monotonic() + _FLUSH_S + size / 5e8
+        while time.monotonic() < end and any(
+                p.poll() is None and not memstate.flushed(d, r, token) for r, p in alive.items()):
+            time.sleep(0.02)
+
+    def dump_stacks(self, ranks: Mapping[int, int]) -> None:
+        """Has the ``{rank: pid}`` processes print their Python stacks, and waits for the lines."""
+        asked = request_stacks(self._state_dir or "/nonexistent", ranks)
+        if asked:
+            self.say(f"rank(s) {asked}: their Python stacks follow (all threads)")
+            time.sleep(_STACKS_S)
 
     def spawn(self, label: str, env: Mapping[str, str],
               readers: list[threading.Thread]) -> subprocess.Popen:
@@ -246,10 +379,12 @@ class _Launcher:
         readers: list[threading.Thread] = []
         try:
             for rank in range(n if self._state_dir is not None else 0):
-                try:  # a heartbeat of the previous attempt must not count for this one
-                    os.remove(heartbeat_path(self._state_dir, rank))
-                except FileNotFoundError:
-                    pass
+                for path in (heartbeat_path(self._state_dir, rank),
+                             memstate.outcome_path(self._state_dir, rank)):
+                    try:  # what the previous attempt reported must not count for this one
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
             for rank in range(n):
                 env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
                 procs.append(self.spawn(str(rank), env, readers))
@@ -350,18 +485,31 @@ class _Launcher:
                 others = [p for p in procs if p.poll() is None]
                 self.say(f"rank {rank} {describe_exit(code)}; killing the other "
                          f"{len(others)} running process(es)")
+                self.flush_survivors(dict(enumerate(procs)))
+                time.sleep(0.2)  # its last lines (the error) reach the readers
+                self.record_failure(f"rank {rank} {describe_exit(code)}", detector.last_steps(),
+                                    [str(rank)])
                 return exit_code(code), f"rank {rank} {describe_exit(code)}"
             if all(code == 0 for code in codes):
                 return 0, None
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.25
-                hung = detector.check([r for r, code in enumerate(codes) if code is None])
+                self.announce_tier()
+                running = [r for r, code in enumerate(codes) if code is None]
+                hung = detector.check(running)
                 if hung:
                     for h in hung:
                         self.say(h.describe(host, detector.timeout_s))
+                    self.say(waited_for({r: None if b is None else b.dispatched
+                                         for r, b in detector.progress().items()}))
+                    self.dump_stacks({r: procs[r].pid for r in running})
+                    self.flush_survivors(dict(enumerate(procs)))
                     self.say(f"killing the group ({len(procs)} process(es))")
-                    return EXIT_HUNG, (f"rank(s) {[h.rank for h in hung]} hung (no completed "
-                                       f"step for {detector.timeout_s:g} s)")
+                    failure = (f"rank(s) {[h.rank for h in hung]} hung (no step for "
+                               f"{detector.timeout_s:g} s)")
+                    self.record_failure(failure, detector.last_steps(),
+                                        [str(h.rank) for h in hung])
+                    return EXIT_HUNG, failure
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r, code in enumerate(codes) if code is None]
                 self.say(f"timed out after {self._options.timeout_s:g} s with rank(s) "
@@ -388,12 +536,16 @@ class _Launcher:
     def _pump(self, label: str, stream: str, pipe) -> None:
         # "\r" ends a line too, so that rank 0's progress bar shows while it runs.
         prefix, pending = f"[{label}] ".encode(), b""
+        tail = self._tails.setdefault(label, collections.deque(maxlen=40))
         with pipe:
             for chunk in iter(lambda: pipe.read1(65536), b""):
                 pending += chunk
                 start = 0
                 for end in _LINE_END.finditer(pending):
-                    self._emit(stream, prefix + pending[start:end.end()])
+                    line = pending[start:end.end()]
+                    self._emit(stream, prefix + line)
+                    if stream == "stderr":
+                        tail.append(line.decode(errors="replace").strip())
                     start = end.end()
                 pending = pending[start:]
         if pending:

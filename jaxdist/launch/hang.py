@@ -1,10 +1,13 @@
-"""Hang detection: a rank that completes no step for too long is declared hung.
+"""Hang detection: a rank that makes no progress for too long is declared hung.
 
-Ranks report each completed step through a heartbeat file in the host's state directory (see
-``jaxdist.memstate``); the launcher's agent reads them a few times a second. Once a rank has
-reported its first step in an attempt, a rank (alive, not finished) whose last report is older
-than the hang timeout is hung: a process stopped by SIGSTOP, a dead peer inside a collective that
-never returns, a stuck data loader. The launcher then treats it as a failure (kills and re-forms).
+Ranks report the training steps they dispatch through a heartbeat file in the host's state
+directory (``jaxdist.launch.heartbeat``: any loop, any state); the launcher's agent reads them a few
+times a second. Once a rank has made progress in an attempt, a rank (alive, not finished) whose
+step count has not moved for the hang timeout is hung: a process stopped by SIGSTOP, a dead peer
+inside a collective that never returns, a stuck data loader. The launcher then names the rank the
+others wait for (the one that dispatched the fewest steps: its peers are blocked inside a
+collective it never entered), has every rank print its Python stack (``SIGUSR1``), and treats the
+hang as a failure (kills and re-forms).
 
 The default timeout adapts to the job: ``min(300, max(60, 50 x median step time))`` seconds, so a
 slow first step (compilation) never counts and an evaluation between epochs must take 50 steps'
@@ -19,7 +22,10 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from jaxdist.launch.memstate import read_heartbeat
+import os
+import signal
+
+from jaxdist.launch.heartbeat import Beat, read_heartbeat, stack_pid
 from jaxdist.launch.reaper import stat_fields
 
 DEFAULT_FLOOR_S = 60.0
@@ -38,6 +44,7 @@ class Hung:
       last_step: its last completed step (None: none this attempt).
       silent_s: seconds since it last reported a step.
       state: its process state from ``/proc`` ("stopped", "running", "sleeping", ...).
+      dispatched: the steps it had dispatched (None: it reported none this attempt).
     """
 
     rank: int
@@ -45,6 +52,7 @@ class Hung:
     last_step: int | None
     silent_s: float
     state: str
+    dispatched: int | None = None
 
     def describe(self, host: str, timeout_s: float) -> str:
         """The log line naming this rank: host, rank, pid, silence, last step, process state."""
@@ -92,7 +100,7 @@ class HangDetector:
         self._ranks = dict(ranks)
         self._fixed = timeout_s
         self._clock = clock
-        self._last: dict[int, int | None] = dict.fromkeys(ranks)
+        self._beats: dict[int, Beat | None] = dict.fromkeys(ranks)
         self._changed: dict[int, float | None] = dict.fromkeys(ranks)
         self._intervals: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._armed_at: float | None = None
@@ -107,25 +115,34 @@ class HangDetector:
         return min(DEFAULT_CAP_S, max(DEFAULT_FLOOR_S, DEFAULT_MULTIPLE * self.median_step_s()))
 
     def median_step_s(self) -> float | None:
-        """The median time between completed steps so far (None before two steps)."""
+        """The median time between steps so far (None before two steps)."""
         return statistics.median(self._intervals) if self._intervals else None
 
     def last_steps(self) -> dict[int, int | None]:
-        """Each rank's last completed step this attempt."""
-        return dict(self._last)
+        """Each rank's last step this attempt: completed on the devices where known, else
+        dispatched."""
+        return {r: None if b is None else b.completed if b.completed is not None else b.dispatched
+                for r, b in self._beats.items()}
+
+    def progress(self) -> dict[int, Beat | None]:
+        """Each rank's last heartbeat this attempt."""
+        return dict(self._beats)
 
     def check(self, running: Sequence[int]) -> list[Hung]:
         """Reads the heartbeats; returns the ``running`` ranks that are hung (empty if none)."""
         now = self._clock()
         for rank in self._ranks:
-            step = read_heartbeat(self._dir, rank)
-            if step is not None and step != self._last[rank]:
-                if self._changed[rank] is not None and self._last[rank] is not None:
-                    gap = (now - self._changed[rank]) / max(1, step - self._last[rank])
-                    self._intervals.append(gap)
-                self._last[rank], self._changed[rank] = step, now
+            beat = read_heartbeat(self._dir, rank)
+            last = self._beats[rank]
+            if beat is not None and (last is None or beat.dispatched != last.dispatched):
+                if self._changed[rank] is not None and last is not None:
+                    steps = abs(beat.dispatched - last.dispatched)
+                    self._intervals.append((now - self._changed[rank]) / max(1, steps))
+                self._changed[rank] = now
                 if self._armed_at is None:
                     self._armed_at = now
+            if beat is not None:
+                self._beats[rank] = beat
         timeout = self.timeout_s
         if self._armed_at is None or timeout is None:
             return []
@@ -133,6 +150,51 @@ class HangDetector:
         for rank in running:
             since = self._changed[rank] if self._changed[rank] is not None else self._armed_at
             if now - since > timeout:
-                pid = self._ranks[rank]
-                hung.append(Hung(rank, pid, self._last[rank], now - since, process_state(pid)))
+                pid, beat = self._ranks[rank], self._beats[rank]
+                hung.append(Hung(rank, pid, self.last_steps()[rank], now - since,
+                                 process_state(pid), None if beat is None else beat.dispatched))
         return hung
+
+
+def waited_for(dispatched: dict[int, int | None]) -> str:
+    """Who the others wait for, from each rank's dispatched steps (across every host).
+
+    A rank that dispatched fewer steps than its peers has not entered the collective they are
+    blocked in: it is the one to look at (its stack shows where it is).
+
+    >>> waited_for({0: 12, 1: 9, 2: 12})
+    'rank 1 is the one the others wait for: it dispatched 9 steps, ranks [0, 2] dispatched 12 (they are blocked inside a collective it has not entered)'
+    >>> waited_for({0: 5, 1: 5})
+    'every rank stopped after dispatching 5 steps: none is behind the others (a step itself, or the devices, do not finish)'
+    """
+    known = {r: s for r, s in dispatched.items() if s is not None}
+    silent = sorted(r for r, s in dispatched.items() if s is None)
+    if not known:
+        return f"no rank reported a step (ranks {silent} made no progress at all)"
+    low = min(known.values())
+    behind = sorted(r for r, s in known.items() if s == low) + silent
+    ahead = sorted(r for r, s in known.items() if s > low)
+    if not ahead:
+        return (f"every rank stopped after dispatching {low} steps: none is behind the others (a "
+                "step itself, or the devices, do not finish)")
+    who = f"rank {behind[0]} is" if len(behind) == 1 else f"ranks {behind} are"
+    it = "it" if len(behind) == 1 else "they"
+    high = max(known[r] for r in ahead)
+    return (f"{who} the one{'' if len(behind) == 1 else 's'} the others wait for: {it} "
+            f"dispatched {low} steps, ranks {ahead} dispatched {high} (they are blocked inside a "
+            f"collective {it} {'has' if len(behind) == 1 else 'have'} not entered)")
+
+
+def request_stacks(directory: str, ranks: dict[int, int]) -> list[int]:
+    """Asks each of ``ranks`` (``{rank: pid}``) that registered for it to print its Python stacks
+    to its stderr (``SIGUSR1``; see ``jaxdist.launch.heartbeat``); returns the ranks asked."""
+    asked = []
+    for rank, pid in sorted(ranks.items()):
+        if stack_pid(directory, rank) != pid:
+            continue  # no handler: SIGUSR1 would end the process
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            asked.append(rank)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return asked

@@ -37,7 +37,7 @@ from jaxdist import _output
 
 from jaxdist.launch import reaper
 from jaxdist.launch._procs import free_ports as free_ports
-from jaxdist.launch.cluster import parse_count
+from jaxdist.launch.cluster import parse_count, split_address
 from jaxdist.launch.group import ENV_INIT_TIMEOUT as ENV_INIT_TIMEOUT
 from jaxdist.launch.group import EXIT_HUNG as EXIT_HUNG
 from jaxdist.launch.group import EXIT_TIMEOUT as EXIT_TIMEOUT
@@ -105,12 +105,14 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
       A `LaunchResult`.
 
     Raises:
-      ValueError: an option is out of range.
+      ValueError: an option is out of range, or ``rdzv_endpoint`` is not ``HOST:PORT``.
 
     >>> result = run(["-c", "print('hi')"], num_processes=2, timeout_s=60)
     >>> result.returncode, sorted(result.output.split("\\n"))
     (0, ['', '[0] hi', '[1] hi'])
     """
+    if rdzv_endpoint is not None:
+        _check_endpoint(rdzv_endpoint)
     options = _Options(num_processes, devices_per_process, max_restarts, port, timeout_s,
                        grace_period_s, num_ps, num_workers, hang_timeout_s, init_timeout_s,
                        nnodes, rdzv_endpoint, rdzv_id, rdzv_timeout_s, rdzv_last_call_s)
@@ -124,6 +126,31 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
     launcher = _Launcher(target, options, emit, env, cwd)
     code = launcher.run()
     return LaunchResult(code, b"".join(lines).decode("utf-8", "replace"), launcher.restarts)
+
+
+def _check_endpoint(text: str) -> str:
+    """Checks a ``--rdzv-endpoint`` value before anything starts; returns it.
+
+    Raises:
+      ValueError: it is not ``HOST:PORT`` with a port in 1..65535 (the message names the flag,
+        what is wrong and the expected form).
+
+    >>> _check_endpoint("head-node:29400")
+    'head-node:29400'
+    >>> _check_endpoint(":29611")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: --rdzv-endpoint ':29611': no host; expected HOST:PORT with a port in 1..65535 ...
+    """
+    host, colon, port = text.rpartition(":")
+    try:
+        split_address(text)
+    except ValueError as e:
+        problem = ("no port" if not colon or not port or text.endswith("]")
+                   else "no host" if not host else str(e))
+        raise ValueError(f"--rdzv-endpoint {text!r}: {problem}; expected HOST:PORT with a port "
+                         "in 1..65535 (an IPv6 address in brackets: [ADDR]:PORT), e.g. "
+                         "--rdzv-endpoint head-node:29400") from None
+    return text
 
 
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxdist.launch.elastic import parse_nnodes
 
             nnodes = parse_nnodes(args.nnodes)
+        if args.rdzv_endpoint is not None:
+            _check_endpoint(args.rdzv_endpoint)
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
                            args.port, args.timeout, args.grace_period, args.ps or 0,
                            args.workers or 0, args.hang_timeout, args.init_timeout,

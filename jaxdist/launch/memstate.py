@@ -1,29 +1,45 @@
-"""The in-memory state tier: the newest completed steps' state, where a restarted process finds it.
+"""The in-memory state tier: recent steps' state in host memory, where a restarted process finds it.
 
 Under ``jaxdist launch`` every process gets ``JAXDIST_STATE_DIR``, a host-local directory in
-shared memory (``/dev/shm`` where it exists) that outlives the processes but not the launcher.
-After each completed step, a background thread copies the (replicated) train state, the step
-number and the input position into ``<dir>/<rank>/step-<N>.npz`` (written to a temporary name and
-renamed, so a reader never sees half a file) and touches the rank's heartbeat, which the launcher
-reads to detect hung ranks. The two newest steps are kept.
+shared memory (``/dev/shm`` where it exists) that outlives the processes but not the host.
+``BackupAndRestore`` (or a custom loop) calls :meth:`StateTier.save` after each step; every few
+steps it takes a snapshot:
 
-On a restart, :meth:`StateTier.resume` is called by every process: the processes agree (one
-all-gather) on the newest step any of them holds, one holder reads it and it reaches the others
-through a collective broadcast over the job's own network (JAX's cross-process collectives), so a
-process on a new host gets the state from a live peer, never from disk. ``BackupAndRestore`` does
-all of this automatically; a custom loop calls ``save`` after each step and ``resume`` at start.
+* on the loop's thread, only an asynchronous copy of the state's arrays to host memory is
+  *dispatched* (``jax.device_put`` to the ``pinned_host`` memory kind: on a GPU the copy engine
+  moves it beside the next step, and the next step may donate the state at once). Nothing there
+  grows with the state's size: one call per array, the data moves elsewhere;
+* a background thread waits for that copy and writes this process's blocks of each array to one
+  of two slot files in the directory, with a checksum per block (``jaxdist.launch._slots``);
+  at most one snapshot is in flight, and a step that comes while one is still being written is
+  skipped rather than waited for.
 
-Only data-parallel state is supported here (every leaf fully replicated, or held whole by this
-process); a sharded state disables the tier with a warning, leaving the persistent backup.
-Files are plain ``.npz`` read with ``allow_pickle=False``: nothing is ever unpickled.
+How often (every ``k`` steps) follows from what a snapshot costs against a step, measured as the
+job runs: the time the loop spends dispatching the copy, and, where the devices are the host's
+own cores (XLA:CPU), the host time the copy and the writer take from them (also measured as the
+slowdown of the steps that overlap a snapshot). ``k`` is the smallest that keeps that cost within
+the budget (5% of steps/s by default: ``JAXDIST_MEMORY_TIER_BUDGET``) and lets the writer keep
+up; ``JAXDIST_MEMORY_TIER_EVERY=N`` fixes it (``1``: every step, whatever it costs). A failure
+then costs at most ``k + d - 1`` steps, ``d`` being the steps a write takes; the tier says so when
+it first knows (``tier.json`` beside the slots, which ``jaxdist launch`` prints, and the log).
+
+Sharded state (``zero_stage`` 1-3, a user mesh) is covered: each process writes only the blocks
+its devices hold (a block every process holds, as a replicated array, is written once per host);
+:meth:`StateTier.resume` puts them together again, re-sharding when the job comes back with
+another layout (``jaxdist.launch._assemble``). When the directory lacks room (two slots of this
+process's blocks), the tier switches itself off with one warning and the persistent backup is
+what a failure falls back to; it never stops training.
+
+Files are raw bytes described by a JSON header: nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -34,14 +50,39 @@ import numpy as np
 
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
+from jaxdist.launch import _assemble, _slots
+from jaxdist.launch._assemble import RejoinRequired as RejoinRequired
+from jaxdist.launch._assemble import StateMismatchError as StateMismatchError
+from jaxdist.launch._cadence import _Cadence
+from jaxdist.launch._copies import _arrays, _Blocks, _blocks, _Elsewhere, _my_bytes, _pinned_copy
+from jaxdist.launch._copies import _writes_replicated
+from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch._tierfiles import _fmt, _read_token
+from jaxdist.launch._tierfiles import describe_tier as describe_tier
+from jaxdist.launch._tierfiles import flush_path as flush_path
+from jaxdist.launch._tierfiles import flushed as flushed
+from jaxdist.launch._tierfiles import outcome_path as outcome_path
+from jaxdist.launch._tierfiles import read_outcome as read_outcome
+from jaxdist.launch._tierfiles import read_tier as read_tier
+from jaxdist.launch._tierfiles import request_flush as request_flush
+from jaxdist.launch._tierfiles import stop_path as stop_path
+from jaxdist.launch._tierfiles import tier_path as tier_path
+from jaxdist.launch._tierfiles import watches_flush as watches_flush
+from jaxdist.launch._tierfiles import write_stop as write_stop
+from jaxdist.launch.heartbeat import ENV_STATE_DIR as ENV_STATE_DIR
+from jaxdist.launch.heartbeat import heartbeat_path as heartbeat_path
+from jaxdist.launch.heartbeat import read_heartbeat as read_heartbeat
+from jaxdist.launch.heartbeat import write_atomic
 
 logger = logging.getLogger(__name__)
 
-ENV_STATE_DIR = "JAXDIST_STATE_DIR"
-"""The environment variable naming this host's state directory (set by ``jaxdist launch``)."""
-
-_META = "__meta__"
-_KEEP = 2
+ENV_EVERY = "JAXDIST_MEMORY_TIER_EVERY"
+"""Snapshot every N steps instead of the measured cadence (``1``: every step)."""
+ENV_BUDGET = "JAXDIST_MEMORY_TIER_BUDGET"
+"""The share of steps/s the tier may cost (default 0.05)."""
+_MARGIN = 64 << 20  # room left free in the directory beyond two slots
+_PENDING_SMALL = 64 << 20  # host memory small snapshots' copies may hold while they wait
+_write_atomic = write_atomic  # the name tests and older code use
 
 
 class Snapshot(NamedTuple):
@@ -51,7 +92,8 @@ class Snapshot(NamedTuple):
       step: the completed step the state belongs to.
       state: the train state, placed like the ``target`` (or the strategy's way).
       data_state: the input position after that step (``{"epoch": E, "position": P}``) or None.
-      source: the process that held it (it reached the others over the network).
+      source: this process's index when it read its part on its own host; -1 when the state
+        was put together over the network (a host joined or was lost).
     """
 
     step: int
@@ -60,76 +102,51 @@ class Snapshot(NamedTuple):
     source: int
 
 
-def heartbeat_path(directory: str, rank: int | str) -> str:
-    """Where process ``rank`` reports its completed steps (``"<step> <unix time>"``)."""
-    return os.path.join(directory, str(rank), "heartbeat")
-
-
-def read_heartbeat(directory: str, rank: int | str) -> int | None:
-    """The last completed step ``rank`` reported, or None if it reported none.
-
-    >>> import tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> read_heartbeat(d, 0) is None
-    True
-    >>> _write_atomic(heartbeat_path(d, 0), b"7 0")
-    >>> read_heartbeat(d, 0)
-    7
-    """
+def _env_number(name: str, kind: type, default: Any, ok) -> Any:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
     try:
-        with open(heartbeat_path(directory, rank), "rb") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"{name}={text!r}: expected {ok.__doc__}")
+    return value
 
 
-def stop_path(directory: str) -> str:
-    """Where the elastic agent writes the step every process of this host stops at."""
-    return os.path.join(directory, "stop")
+def _positive_int(v):
+    """a whole number >= 1"""
+    return v >= 1
 
 
-def write_stop(directory: str, step: int) -> None:
-    """Asks every process of this host to stop after ``step`` (read by ``StateTier.stop_step``)."""
-    _write_atomic(stop_path(directory), str(int(step)).encode())
+def _fraction(v):
+    """a number in (0, 1), e.g. 0.05 for 5% of steps/s"""
+    return 0 < v < 1
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _local_copy(x: Any) -> np.ndarray:
-    """A whole copy of a leaf on this host (the leaf is replicated or fully addressable)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(x)
-
-
-def _supported(state: PyTree) -> bool:
-    return all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
-               for x in jax.tree.leaves(state))
-
-
-@jax.jit
-def _copy_tree(tree):
-    # A fresh buffer per leaf: the next step donates (and so deletes) the state's own buffers.
-    return jax.tree.map(lambda x: x.copy(), tree)
+class _Copy(NamedTuple):
+    step: int
+    host: list
+    data: dict | None
 
 
 class StateTier:
-    """Keeps the newest completed steps' state in host memory; restores it after a restart.
+    """Keeps recent steps' state in host memory; restores it after a restart.
 
     Args:
       directory: this host's state directory (default: ``$JAXDIST_STATE_DIR``; with neither,
         the tier is disabled and every method is a no-op returning None).
       rank: this process's index (default: ``jax.process_index()``).
+      every: copy and persist every N steps (default: ``$JAXDIST_MEMORY_TIER_EVERY``, else
+        measured).
+      budget: the share of steps/s the tier may cost (default ``$JAXDIST_MEMORY_TIER_BUDGET``
+        or 0.05).
 
     >>> import tempfile, jax.numpy as jnp
     >>> tier = StateTier(tempfile.mkdtemp(), rank=0)
     >>> tier.save(3, {"w": jnp.ones(2)}, {"epoch": 0, "position": 3})
+    True
     >>> tier.flush()
     >>> snap = tier.resume({"w": jnp.zeros(2)})
     >>> snap.step, snap.state["w"].tolist(), snap.data_state
@@ -137,64 +154,284 @@ class StateTier:
     >>> tier.close()
     """
 
-    def __init__(self, directory: str | None = None, *, rank: int | None = None):
+    def __init__(self, directory: str | None = None, *, rank: int | None = None,
+                 every: int | None = None, budget: float | None = None):
         self.directory = directory if directory is not None else os.environ.get(ENV_STATE_DIR)
         self._rank = rank
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._written = threading.Event()
-        self._written.set()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        every = every if every is not None else _env_number(ENV_EVERY, int, None, _positive_int)
+        budget = budget if budget is not None else _env_number(ENV_BUDGET, float, DEFAULT_BUDGET,
+                                                               _fraction)
+        if every is not None and not _positive_int(every):
+            raise ValueError(f"every={every!r}: expected {_positive_int.__doc__}")
+        if not _fraction(budget):
+            raise ValueError(f"budget={budget!r}: expected {_fraction.__doc__}")
+        self._every, self._budget = every, budget
+        self._cadence: _Cadence | None = None
+        self._cond = threading.Condition()
+        self._copies: collections.deque = collections.deque()  # dispatched, not yet ready
+        self._ready: _Copy | None = None  # the newest copy whose step is done
+        self._write_lock = threading.Lock()  # one writer of this process's slots at a time
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
         self._disabled = self.directory is None
+        self._checked = False
+        self._fingerprint: str | None = None
+        self._last_copied: int | None = None
+        self._announced: tuple | None = None
+        self._to_host = _pinned_copy
+        self._writes_replicated = _writes_replicated()
         self.last_written: int | None = None
+        self.skipped = 0
 
     @property
     def enabled(self) -> bool:
-        """Whether snapshots are kept (a directory is known and the state is supported)."""
+        """Whether snapshots are kept (a directory is known and it has room)."""
         return not self._disabled
 
+    @property
+    def every(self) -> int | None:
+        """Steps between persisted snapshots (None until measured, or while disabled)."""
+        return None if self._disabled or self._cadence is None else self._cadence.k
+
+    @property
+    def bound(self) -> int | None:
+        """The most steps a failure costs when other processes survive it (None until known)."""
+        return None if self._disabled or self._cadence is None else self._cadence.bound
+
+    def rank(self) -> int:
+        return jax.process_index() if self._rank is None else self._rank
+
     def _my_dir(self) -> str:
-        rank = jax.process_index() if self._rank is None else self._rank
-        return os.path.join(self.directory, str(rank))
+        return os.path.join(self.directory, str(self.rank()))
 
     def beat(self, step: int) -> None:
-        """Reports ``step`` as completed to the launcher's hang detector (cheap; any thread)."""
-        if self.directory is not None:
-            _write_atomic(os.path.join(self._my_dir(), "heartbeat"),
-                          f"{int(step)} {time.time():.3f}".encode())
+        """Kept for older code: progress is reported by ``jaxdist.launch.heartbeat``."""
+        from jaxdist.launch import heartbeat
 
-    def save(self, step: int, state: PyTree, data_state: Mapping | None = None) -> None:
-        """Snapshots the state after ``step`` (asynchronously; at most one snapshot in flight).
+        beat = heartbeat.current()
+        if beat is not None and step > beat.dispatched:
+            beat.on_step(step - beat.dispatched, None)
 
-        Call it on every process after each step, before the next step is dispatched. It waits
-        for the previous snapshot to be written, so the newest snapshot on disk is never more than
-        one step behind the newest completed step.
+    # --- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, data_state: Mapping | None = None, *,
+             force: bool = False) -> bool:
+        """Copies ``state`` after ``step`` to host memory when a copy is due; returns whether.
+
+        Call it on every process after each step. It returns at once: the copy runs on the
+        device's copy engine (or XLA's threads) and is persisted on a background thread every
+        few copies. ``force=True`` copies and persists this step whatever the cadence: a stop
+        at an agreed step (:meth:`flush` waits for it).
 
         Args:
           step: optimizer steps completed.
-          state: the train state after that step.
+          state: the train state after that step (it may be donated to the next step at once).
           data_state: the input position after that step (``iterator.state()``).
-
-        Raises:
-          RuntimeError: writing an earlier snapshot failed.
+          force: copy and persist this step.
         """
         if self._disabled:
-            return
-        if not _supported(state):
-            logger.warning("the in-memory state tier needs a data-parallel (replicated) state; "
-                           "this one is sharded, so recovery uses the persistent backup only")
+            return False
+        if not self._checked and not self._first_save(state):
+            return False
+        cadence = self._cadence
+        if not force and self._last_copied is not None and (
+                step - self._last_copied < cadence.copy_every):
+            return False
+        with self._cond:
+            if not self._room():
+                waits = force or self._every == 1
+                if not waits:
+                    self.skipped += 1  # copies in flight fill the allowance: a later step copies
+                    return False
+                self._cond.wait_for(lambda: self._room() or self._disabled)
+                if self._disabled:
+                    return False
+        start = time.perf_counter()
+        try:
+            host = self._copy_all(_arrays(state))
+        except Exception as e:  # noqa: BLE001 - the tier never stops training
+            self._off(f"copying the state to host memory failed ({type(e).__name__}: {e})")
+            return False
+        cadence.on_copy(time.perf_counter() - start)
+        self._last_copied = step
+        copy = _Copy(int(step), host, None if data_state is None else dict(data_state))
+        with self._cond:
+            self._copies.append((copy, force))
+            self._cond.notify_all()
+        return True
+
+    def _room(self) -> bool:
+        """Whether another copy may be taken: copies hold host memory (the newest done one is
+        kept), so at most two snapshots' worth, or 64 MiB of small ones (the loop runs steps
+        ahead of the devices, and a copy is done only when its step has run)."""
+        held = len(self._copies) + (self._ready is not None)  # the newest done one is kept
+        return not self._copies or (held + 1) * self._bytes <= max(2 * self._bytes,
+                                                                    _PENDING_SMALL)
+
+    def _copy_all(self, leaves: list) -> list:
+        """Host copies of this process's blocks of ``leaves`` (each distinct block once),
+        dispatched in one call (asynchronous; only this process's devices take part)."""
+        out: list[Any] = [None] * len(leaves)
+        moving, where = [], []
+        for i, x in enumerate(leaves):
+            if not isinstance(x, jax.Array):
+                out[i] = np.array(x)
+            elif x.is_fully_replicated and not self._writes_replicated:
+                out[i] = _Elsewhere(x.shape, np.dtype(x.dtype).name)  # another local process
+            else:
+                seen, blocks = set(), []
+                for shard in x.addressable_shards:
+                    index = tuple((s.start or 0, n if s.stop is None else s.stop)
+                                  for s, n in zip(shard.index, x.shape))
+                    if index not in seen:
+                        seen.add(index)
+                        blocks.append(index)
+                        moving.append(shard.data)
+                out[i] = _Blocks(tuple(x.shape), np.dtype(x.dtype).name, blocks)
+                where.append((i, len(blocks)))
+        if moving:
+            copies = iter(self._to_host(moving))
+            for i, n in where:
+                out[i] = out[i]._replace(data=[next(copies) for _ in range(n)])
+        return out
+
+    def _first_save(self, state: PyTree) -> bool:
+        self._checked = True
+        leaves = _arrays(state)
+        self._fingerprint = _assemble.describe(state)[0]
+        need = sum(_my_bytes(x) for x in leaves)
+        free = _free_bytes(self.directory) + sum(_slot_sizes(self._my_dir()))
+        if free < 2 * need + _MARGIN:
+            self._off(f"two snapshots of this process's part of the state need "
+                      f"{_fmt(2 * need)} in {self.directory}, which has {_fmt(free)} free; make "
+                      "it larger (a container: --shm-size) or point JAXDIST_STATE_DIR at a "
+                      "directory with room")
+            return False
+        self._bytes = need
+        self._cadence = _Cadence(self._every, self._budget,
+                                 host_is_device=jax.default_backend() == "cpu", nbytes=need)
+        for target, name in ((self._writer, "jaxdist-memstate"),
+                             (self._watch_flush, "jaxdist-memstate-flush")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return True
+
+    def _off(self, why: str) -> None:
+        if not self._disabled:
             self._disabled = True
+            logger.warning("the in-memory state tier is off: %s. Training goes on; a failure "
+                           "resumes from the persistent backup (BackupAndRestore's directory).",
+                           why)
+            if self.directory is not None:
+                for slot in range(_slots.SLOTS):
+                    for path in (_slots.header_path(self._my_dir(), slot),
+                                 _slots.data_path(self._my_dir(), slot)):
+                        try:
+                            os.remove(path)
+                        except OSError:
+                            pass
+        with self._cond:
+            self._copies.clear()
+            self._ready = None
+            self._cond.notify_all()
+
+    def _writer(self) -> None:
+        """Waits for each copy's step to be done; persists every ``k`` steps (or when forced)."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._copies or self._stopping)
+                if not self._copies:
+                    return
+                copy, force = self._copies[0]
+            arrays = [d for x in copy.host if isinstance(x, _Blocks) for d in x.data]
+            try:
+                waited = not all(a.is_ready() for a in arrays)
+                jax.block_until_ready(arrays)
+            except Exception as e:  # noqa: BLE001 - the tier never stops training
+                self._off(f"a copy to host memory failed ({type(e).__name__}: {e})")
+                continue
+            if waited:  # only then is now the time its step finished (else: some time before)
+                self._cadence.on_done(copy.step)
+            with self._cond:
+                if self._copies and self._copies[0][0] is copy:
+                    self._copies.popleft()
+                self._ready = copy
+                self._cond.notify_all()
+            last = self.last_written
+            if force or last is None or copy.step - last >= self._cadence.k:
+                self._persist(copy)
+
+    def _persist(self, copy: _Copy) -> None:
+        """Writes ``copy`` to a slot (unless a newer one is there already)."""
+        with self._write_lock:
+            if self._disabled or (self.last_written is not None
+                                  and copy.step <= self.last_written):
+                return
+            start, cpu0 = time.perf_counter(), time.thread_time()
+            try:
+                blocks = [_blocks(x) for x in copy.host]
+                written = _slots.write(self._my_dir(), _slots.free_slot(self._my_dir()),
+                                       step=copy.step, data_state=copy.data,
+                                       fingerprint=self._fingerprint, leaves=blocks)
+            except _slots.TierFull as e:
+                self._off(str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - the tier never stops training
+                self._off(f"writing a snapshot failed ({type(e).__name__}: {e})")
+                return
+            self.last_written = copy.step
+            self._cadence.on_persist(time.thread_time() - cpu0, time.perf_counter() - start)
+            self._announce(written)
+
+    def _watch_flush(self) -> None:
+        """Persists the newest done copy when the launcher asks (a peer failed: this process is
+        about to be stopped, and its copy may be what the job resumes from)."""
+        rank_dir = self._my_dir()
+        try:
+            write_atomic(os.path.join(rank_dir, "flush-watch"), str(os.getpid()).encode())
+        except OSError:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._writer, name="jaxdist-memstate",
-                                            daemon=True)
-            self._thread.start()
-        self._written.wait()
-        if self._error is not None:
-            raise RuntimeError(f"the in-memory state tier failed to write: {self._error}")
-        copy = _copy_tree(_arrays(state))  # may raise: before clear(), or close() would hang
-        self._written.clear()
-        self._queue.put((int(step), copy, None if data_state is None else dict(data_state)))
+        seen = _read_token(flush_path(self.directory))
+        while not self._stopping:
+            time.sleep(0.02)
+            token = _read_token(flush_path(self.directory))
+            if token is None or token == seen:
+                continue
+            seen = token
+            copy = self._ready
+            if copy is not None:
+                self._persist(copy)
+            try:
+                write_atomic(os.path.join(rank_dir, "flushed"),
+                             f"{token} {self.last_written}".encode())
+            except OSError:
+                pass
+
+    def _announce(self, written: int) -> None:
+        c = self._cadence
+        if c.bound is None or self._announced == (c.copy_every, c.k, c.bound, c.bound_all):
+            return
+        self._announced = (c.copy_every, c.k, c.bound, c.bound_all)
+        info = {"bytes": self._bytes, "written_bytes": written, "copy_every": c.copy_every,
+                "every": c.k, "bound": c.bound, "bound_all": c.bound_all, "cost_s": c.cost(),
+                "step_s": c.step_s(), "budget": c.budget, "fixed": self._every is not None,
+                "parts": c.parts}
+        logger.info("%s", describe_tier(info))
+        try:
+            write_atomic(tier_path(self.directory, self.rank()), json.dumps(info).encode())
+        except OSError:
+            pass
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until every copy taken is done (at most ``timeout_s``) and writes the newest."""
+        if self._cadence is None:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: not self._copies, timeout=timeout_s)
+            copy = self._ready
+        if copy is not None:
+            self._persist(copy)
 
     def stop_step(self) -> int | None:
         """The step at which the elastic agent asked the job to stop (to re-form), or None.
@@ -218,136 +455,94 @@ class StateTier:
             self._stop_mtime = mtime
         return self._stop_step
 
-    def flush(self) -> None:
-        """Waits until the newest snapshot is written."""
-        self._written.wait()
-
-    def _writer(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            step, copy, data = item
-            try:
-                leaves = [_local_copy(x) for x in jax.tree.leaves(copy)]  # waits for the step
-                del copy
-                self._write(step, leaves, data)
-                self.beat(step)
-                self.last_written = step
-            except BaseException as e:  # noqa: BLE001 - reported by the next save()
-                self._error = e
-            finally:
-                self._written.set()
-
-    def _write(self, step: int, leaves: list[np.ndarray], data: dict | None) -> None:
-        directory = self._my_dir()
-        os.makedirs(directory, exist_ok=True)
-        meta = json.dumps({"step": step, "data": data, "num_leaves": len(leaves)}).encode()
-        arrays = {f"leaf{i:05d}": a for i, a in enumerate(leaves)}
-        arrays[_META] = np.frombuffer(meta, np.uint8)
-        path = os.path.join(directory, f"step-{step}.npz")
-        tmp = f"{path}.tmp.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-        for old in _steps_in(directory)[:-_KEEP]:
-            try:
-                os.remove(os.path.join(directory, f"step-{old}.npz"))
-            except FileNotFoundError:
-                pass
+    # --- resuming ------------------------------------------------------------------------------
 
     def newest_local(self) -> tuple[int, str] | None:
-        """The newest readable snapshot on this host (any rank's): ``(step, path)`` or None."""
-        if self.directory is None or not os.path.isdir(self.directory):
+        """The newest valid snapshot on this host (any rank's): ``(step, its data file)`` or None."""
+        if self.directory is None:
             return None
-        found = []
-        for rank in os.listdir(self.directory):
-            sub = os.path.join(self.directory, rank)
-            if os.path.isdir(sub):
-                found += [(s, os.path.join(sub, f"step-{s}.npz")) for s in _steps_in(sub)]
+        found = [(int(h["step"]), _slots.data_path(d, s)) for d, s, h in _slots.slots(
+            self.directory)]
         return max(found, default=None)
 
     def resume(self, target: PyTree, strategy=None) -> Snapshot | None:
-        """Every process: the newest step any process holds, with its state; None if none.
+        """Every process: the newest step the job's processes hold, with its state; None if none.
 
         Collective: call it on every process of the job at the same point (start of training).
 
         Args:
-          target: a state with the saved one's structure, shapes and dtypes (values unused).
+          target: a state with the saved one's structure, shapes and dtypes (values unused),
+            placed the way the resumed state should be (the strategy's ``put``).
           strategy: place the result the strategy's way (default: like ``target``).
 
         Returns:
           A :class:`Snapshot`, or None when no process holds one (or the tier is disabled).
+
+        Raises:
+          StateMismatchError: this process's state differs from the job's (another model):
+            it must not join.
+          RejoinRequired: another process's state differs; this one ends (status 0) so that
+            the job re-forms without it.
         """
-        if self.directory is None or not _supported(target):
+        if self.directory is None:
             return None
-        local = self.newest_local()
+        try:
+            _assemble.check_same_state(self.directory, target)
+        except StateMismatchError as e:
+            self._outcome({"rejected": str(e)})
+            raise
+        except RejoinRequired:
+            self._outcome({"reform": "another process's state differs from the job's"})
+            raise
+        if strategy is not None:
+            target = strategy.put(target)
         tleaves, treedef, statics = split_static(target)
-        loaded = None
-        if local is not None:
-            try:
-                loaded = _load(local[1], tleaves)
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("in-memory snapshot %s unreadable (%s); ignoring it", local[1], e)
-        mine = loaded[0] if loaded is not None else -1
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            steps = np.asarray(multihost_utils.process_allgather(np.int64(mine))).reshape(-1)
-        else:
-            steps = np.array([mine])
-        best = int(steps.max())
-        if best < 0:
+        found = _assemble.resume(self.directory, target, list(tleaves))
+        if found is None:
             return None
-        everyone = bool(np.all(steps == best))
-        if everyone:  # every process holds it: no broadcast needed
-            source = jax.process_index()
-            _, leaves, data = loaded
-        else:
-            source = int(np.argmax(steps))
-            leaves, data = _from_source(loaded, tleaves, jax.process_index() == source)
-        # static leaves (an Equinox module's functions) go back in place
-        state = join_static(treedef, statics, [np.asarray(x) for x in leaves])
-        state = strategy.put(state) if strategy is not None else _like(state, target)
-        if everyone:
-            logger.info("resuming from step %d held in memory by every process", best)
-        else:
-            logger.info("resuming from step %d held in memory by process %d", best, source)
-        return Snapshot(best, state, data, source)
+        step, leaves, data, how = found
+        state = join_static(treedef, statics, leaves)
+        logger.info("resuming from step %d held in memory (read from %s)", step, how)
+        source = jax.process_index() if how == "its own host" else -1
+        return Snapshot(step, state, data, source)
 
-    def close(self) -> None:
-        """Writes the pending snapshot and stops the writer thread."""
-        if self._thread is not None:
-            self._written.wait()
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+    def _outcome(self, what: dict) -> None:
+        """Tells this host's agent why this process ends (``outcome.json`` beside its slots)."""
+        try:
+            write_atomic(outcome_path(self.directory, self.rank()), json.dumps(what).encode())
+        except OSError:
+            pass
 
-
-def _arrays(tree: PyTree) -> list:
-    return split_static(tree)[0]
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Writes the newest copy (waiting at most ``timeout_s`` for copies whose step may never
+        finish: a failed peer) and stops the threads."""
+        if not self._threads:
+            return
+        self.flush(timeout_s)
+        self._stopping = True
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        self._threads = []
 
 
-def _from_source(loaded: tuple | None, tleaves: list, is_source: bool) -> tuple[list, dict | None]:
-    """The source process's snapshot leaves and input position, on every process (a broadcast
-    over the job's network: a process without the step gets it from the one that has it)."""
-    if is_source:
-        _, leaves, data = loaded
-    else:
-        leaves = [np.zeros(np.shape(t), _dtype(t)) for t in tleaves]
-        data = None
-    position = np.array([-1, -1] if data is None else [data["epoch"], data["position"]],
-                        np.int64)
-    from jax.experimental import multihost_utils
-
-    leaves, position = multihost_utils.broadcast_one_to_all((leaves, position),
-                                                            is_source=is_source)
-    position = [int(v) for v in np.asarray(position)]
-    return leaves, None if position[0] < 0 else {"epoch": position[0], "position": position[1]}
+def _free_bytes(directory: str) -> int:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 0
 
 
-def _dtype(x: Any):
-    # A Python scalar leaf (a fresh TrainState's step is 0) becomes JAX's default dtype in a step.
-    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
+def _slot_sizes(rank_dir: str) -> list[int]:
+    sizes = []
+    for slot in range(_slots.SLOTS):
+        try:
+            sizes.append(os.path.getsize(_slots.data_path(rank_dir, slot)))
+        except OSError:
+            pass
+    return sizes
 
 
 def _like(state: PyTree, target: PyTree) -> PyTree:
@@ -356,24 +551,3 @@ def _like(state: PyTree, target: PyTree) -> PyTree:
             return jax.device_put(x, t.sharding)
         return x
     return jax.tree.map(place, state, target)
-
-
-def _steps_in(directory: str) -> list[int]:
-    steps = []
-    for name in os.listdir(directory):
-        if name.startswith("step-") and name.endswith(".npz") and ".tmp" not in name:
-            try:
-                steps.append(int(name[5:-4]))
-            except ValueError:
-                pass
-    return sorted(steps)
-
-
-def _load(path: str, tleaves: list) -> tuple[int, list[np.ndarray], dict | None]:
-    with np.load(path, allow_pickle=False) as f:
-        meta = json.loads(f[_META].tobytes().decode())
-        leaves = [f[f"leaf{i:05d}"] for i in range(meta["num_leaves"])]
-    if len(leaves) != len(tleaves) or any(
-            np.shape(a) != np.shape(t) or a.dtype != _dtype(t) for a, t in zip(leaves, tleaves)):
-        raise ValueError("its structure, shapes or dtypes differ from the state being trained")
-    return int(meta["step"]), leaves, meta["data"]

@@ -18,43 +18,106 @@ another agent (``jaxdist.launch.elastic``).
 Like torchrun's store it needs no authentication, so by default run it on a trusted network; with
 ``JAXDIST_RDZV_TOKEN`` set (the same value on every host) each call must carry that token (compared
 in constant time) or is refused. Whatever arrives is treated as hostile: a request is at most
-``MAX_REQUEST_BYTES``, keys are strings of at most ``MAX_KEY_CHARS``, the store holds at most
-``MAX_KEYS`` keys and ``MAX_STORE_BYTES`` bytes (so a reply is bounded too), and JSON's ``NaN`` /
-``Infinity`` and values nested past ``MAX_DEPTH`` levels are refused. Keys are namespaced by the
-rendezvous id, so jobs sharing an endpoint do not mix.
+``MAX_REQUEST_BYTES``, keys are strings of at most ``MAX_KEY_CHARS``, values nest at most
+``MAX_DEPTH`` levels, and a number that is not finite is refused however it is spelled (``NaN``,
+``Infinity``, ``1e999``), as is an integer of 2**63 or more, in requests and in replies alike.
+
+Keys are namespaced by the rendezvous id (``<rdzv id>/<name>``), so jobs sharing an endpoint do not
+mix, and each job has a budget of its own: at most ``MAX_JOB_KEYS`` keys and ``MAX_JOB_BYTES`` bytes
+per rendezvous id, for at most ``MAX_JOBS`` ids at a time, one of them reserved for the serving
+agent's own job (``serve(own_job=...)``). Keys written under other ids cannot take this job's room,
+and the whole store stays within ``MAX_KEYS`` keys and ``MAX_STORE_BYTES`` bytes (so a ``list``
+reply is bounded too). A write that does not grow a key (an update to a value of the same size or
+smaller) is never refused, even in a full store: the agents create the keys a job's end writes
+(``done``) when they start. ``delete_prefix`` removes a finished round's keys in one call.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
+import socket
 import threading
 import time
+import weakref
 from concurrent import futures
 from typing import Any
 
 import grpc
 
+from jaxdist.launch.cluster import split_address
+
 _SERVICE = "jaxdist.Rendezvous"
+_METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix")
 ENV_TOKEN = "JAXDIST_RDZV_TOKEN"
 MAX_REQUEST_BYTES = 64 * 1024
 """The largest request the store reads (a key and a small JSON value)."""
 MAX_KEY_CHARS = 512
-MAX_KEYS = 4096
-"""Keys the store holds at most; a new key past this is refused (agents use a few per host)."""
-MAX_STORE_BYTES = 8 * 1024 * 1024
+MAX_DEPTH = 32
+"""How deeply a value may nest (agents store flat records)."""
+MAX_INT = 2 ** 63
+"""Integers are refused from this magnitude on (agents store steps, ports and counts)."""
+MAX_JOBS = 4
+"""Rendezvous ids the store holds keys of at a time (one is kept for the serving agent's job)."""
+MAX_JOB_KEYS = 2048
+"""Keys one rendezvous id may hold (an agent uses about five, with old rounds deleted)."""
+MAX_JOB_BYTES = 2 * 1024 * 1024
+"""Bytes of keys and values one rendezvous id may hold."""
+MAX_KEYS = MAX_JOBS * MAX_JOB_KEYS
+"""Keys the store holds at most (every job at its budget)."""
+MAX_STORE_BYTES = MAX_JOBS * MAX_JOB_BYTES
 """Bytes of keys and values the store holds at most, so that a ``list`` reply stays bounded."""
 MAX_REPLY_BYTES = 2 * MAX_STORE_BYTES
 """The largest reply a client reads (a whole-store ``list`` with its per-key framing)."""
 
 
+class RendezvousError(RuntimeError):
+    """The rendezvous store is unreachable or answered with an error."""
+
+
+# -- messages: JSON, every number finite ------------------------------------------------------
+
+def _clip(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+
+
 def _no_constants(name: str):
-    raise ValueError(f"non-finite number {name} in a rendezvous message")
+    raise ValueError(f"non-finite number {name} in a rendezvous message (finite numbers only)")
 
 
-MAX_DEPTH = 32
-"""How deeply a value may nest (agents store flat records)."""
+def _finite_float(text: str) -> float:
+    # json.loads reads 1e999 as inf without ever calling parse_constant: check the value itself.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {_clip(text)} in a rendezvous message is out of range (it "
+                         f"reads as {value}; finite numbers only)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    # Count the digits first: int() of a long numeral costs time quadratic in its length.
+    value = int(text) if len(text.lstrip("-")) <= len(str(MAX_INT)) else MAX_INT
+    if abs(value) >= MAX_INT:
+        raise ValueError(f"integer {_clip(text)} in a rendezvous message is out of range "
+                         "(at most 2**63 - 1 in magnitude)")
+    return value
+
+
+def _loads(data: bytes | str) -> Any:
+    """Parses a message; ValueError for anything but finite JSON."""
+    return json.loads(data, parse_constant=_no_constants, parse_float=_finite_float,
+                      parse_int=_bounded_int)
+
+
+def _dumps(value: Any) -> bytes:
+    """Encodes a message; ValueError for a value no peer would accept."""
+    try:
+        return json.dumps(value, allow_nan=False).encode()
+    except ValueError:
+        raise ValueError("a rendezvous message may hold finite numbers only (no NaN or "
+                         "infinity)") from None
 
 
 def _depth(value: Any) -> int:
@@ -72,7 +135,7 @@ def _depth(value: Any) -> int:
 
 
 def _decode(request: bytes) -> dict:
-    req = json.loads(request, parse_constant=_no_constants)
+    req = _loads(request)
     if not isinstance(req, dict):
         raise ValueError("a rendezvous request is a JSON object")
     if _depth(req) > MAX_DEPTH:
@@ -83,26 +146,68 @@ def _decode(request: bytes) -> dict:
     return req
 
 
-class RendezvousError(RuntimeError):
-    """The rendezvous store is unreachable or answered with an error."""
+def _job_of(key: str) -> str:
+    """The rendezvous id a key (or a prefix) belongs to: its first path segment."""
+    job, slash, _ = key.partition("/")
+    if not job or not slash:
+        raise ValueError(f"key or prefix {_clip(key)!r} is not '<rendezvous id>/...'")
+    return job
 
+
+# -- the store --------------------------------------------------------------------------------
 
 class _Store:
-    def __init__(self):
+    def __init__(self, own_job: str | None = None):
         self._data: dict[str, tuple[Any, float, int]] = {}  # key: (value, set at, its bytes)
+        self._jobs: dict[str, list[int]] = {}  # rendezvous id: [keys, bytes]
+        self._own = own_job
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def _put(self, key: str, value: Any, now: float) -> None:
-        size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
-        grows = size - self._data[key][2] if key in self._data else size
-        if key not in self._data and len(self._data) >= MAX_KEYS:
+    def _check_room(self, job: str, new_key: bool, grows: int) -> None:
+        keys, size = self._jobs.get(job, (0, 0))
+        if job not in self._jobs and job != self._own:
+            others = sum(j != self._own for j in self._jobs)
+            if others >= MAX_JOBS - (self._own is not None):
+                raise OverflowError(
+                    f"the store holds the keys of {MAX_JOBS} rendezvous ids already, the most it "
+                    f"serves at a time (one kept for the job of the agent serving it); give job "
+                    f"{job!r} an --rdzv-endpoint of its own")
+        if new_key and keys >= MAX_JOB_KEYS:
+            raise OverflowError(f"rendezvous id {job!r} holds {keys} keys, its budget; delete "
+                                "keys it no longer needs (old rounds: delete_prefix)")
+        if size + grows > MAX_JOB_BYTES:
+            raise OverflowError(f"rendezvous id {job!r} holds {size} bytes; this value would "
+                                f"pass its budget of {MAX_JOB_BYTES}")
+        # With the defaults these follow from the budgets; they bind if the constants change.
+        if new_key and len(self._data) >= MAX_KEYS:
             raise OverflowError(f"the store holds {MAX_KEYS} keys already")
         if self._bytes + grows > MAX_STORE_BYTES:
             raise OverflowError(f"the store holds {self._bytes} bytes; this value would pass "
                                 f"{MAX_STORE_BYTES}")
+
+    def _put(self, key: str, value: Any, now: float) -> None:
+        job = _job_of(key)
+        size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
+        old = self._data.get(key)
+        grows = size - old[2] if old is not None else size
+        if old is None or grows > 0:  # a write that takes no room is never refused
+            self._check_room(job, old is None, grows)
         self._data[key] = (value, now, size)
+        usage = self._jobs.setdefault(job, [0, 0])
+        usage[0] += old is None
+        usage[1] += grows
         self._bytes += grows
+
+    def _remove(self, key: str) -> None:
+        _, _, size = self._data.pop(key)
+        job = _job_of(key)
+        usage = self._jobs[job]
+        usage[0] -= 1
+        usage[1] -= size
+        self._bytes -= size
+        if usage[0] == 0:
+            del self._jobs[job]  # its place among MAX_JOBS is free again
 
     def handle(self, method: str, req: dict) -> Any:
         now = time.monotonic()
@@ -121,25 +226,72 @@ class _Store:
                 return {k: [v, now - t] for k, (v, t, _) in self._data.items()
                         if k.startswith(req["prefix"])}
             if method == "delete":
-                item = self._data.pop(req["key"], None)
-                if item is not None:
-                    self._bytes -= item[2]
+                if req["key"] in self._data:
+                    self._remove(req["key"])
                 return True
+            if method == "delete_prefix":  # one job's keys at most: the prefix names its id
+                _job_of(req["prefix"])
+                doomed = [k for k in self._data if k.startswith(req["prefix"])]
+                for key in doomed:
+                    self._remove(key)
+                return len(doomed)
         raise ValueError(f"unknown method {method!r}")
 
 
-def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] | None:
+class StoreServer:
+    """A running store, as ``serve`` returns it.
+
+    ``stop`` returns only once gRPC has finished every call it had taken, so that no call is
+    still being handed to the store's threads while the process exits. A stop that did not wait
+    let a flood of calls at the end of a job leave one of gRPC's pool threads waiting forever for
+    a message the stopped server would never deliver, and the agent alive after its job
+    (``RuntimeError: cannot schedule new futures after interpreter shutdown`` from gRPC's
+    serving thread, then the interpreter joining that pool thread for good).
+    """
+
+    def __init__(self, server: grpc.Server):
+        self._server = server
+
+    def stop(self, grace: float | None = 0, *, wait_s: float = 10.0) -> bool:
+        """Stops serving: calls in progress get ``grace`` seconds (None: none), then are cancelled.
+
+        Args:
+          grace: seconds left to calls in progress.
+          wait_s: how long to wait, past ``grace``, for gRPC to finish them.
+
+        Returns:
+          True once the server has stopped (False if it had not within ``grace + wait_s``).
+        """
+        return self._server.stop(grace).wait((grace or 0) + wait_s)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    server = ref()
+    if server is not None:
+        server.stop(0)
+
+
+def serve(address: str, *, token: str | None = None,
+          own_job: str | None = None) -> tuple[StoreServer, int] | None:
     """Serves a store on ``address`` (``host:port``); None if the port is taken (another agent).
 
-    ``token`` (default: ``$JAXDIST_RDZV_TOKEN``, if set) is required of every call.
+    Args:
+      address: ``host:port`` to bind (port 0: a free one).
+      token: required of every call (default: ``$JAXDIST_RDZV_TOKEN``, if set).
+      own_job: the serving agent's rendezvous id: its budget is kept for it, so that keys of
+        other ids cannot leave it without room (see the module's docstring for the numbers).
 
-    >>> server, port = serve("127.0.0.1:0")
+    Returns:
+      ``(server, port)``, or None when ``address`` cannot be bound.
+
+    >>> server, port = serve("127.0.0.1:0", own_job="job")
     >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
     >>> client.set("a", 1); client.get("a"), client.get("b")
     (1, None)
-    >>> _ = server.stop(0)
+    >>> server.stop(0)
+    True
     """
-    store = _Store()
+    store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
 
     def handler(method):
@@ -150,8 +302,8 @@ def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] 
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                   f"wrong or missing rendezvous token (set {ENV_TOKEN} alike on "
                                   "every host)")
-            try:
-                return json.dumps(store.handle(method, _decode(request))).encode()
+            try:  # a reply is encoded as strictly as a request is read
+                return _dumps(store.handle(method, _decode(request)))
             except OverflowError as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
@@ -161,10 +313,9 @@ def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] 
                               "too deeply")
         return grpc.unary_unary_rpc_method_handler(call)
 
-    methods = ("set", "set_if_absent", "get", "list", "delete")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          handlers=[grpc.method_handlers_generic_handler(
-                             _SERVICE, {m: handler(m) for m in methods})],
+                             _SERVICE, {m: handler(m) for m in _METHODS})],
                          options=[("grpc.so_reuseport", 0),
                                   ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     try:
@@ -175,8 +326,16 @@ def serve(address: str, *, token: str | None = None) -> tuple[grpc.Server, int] 
         server.stop(0)
         return None
     server.start()
-    return server, port
+    stoppable = StoreServer(server)
+    # A server its owner never stopped is stopped before the interpreter joins the executor's
+    # threads (the hooks run newest first, so before concurrent.futures' own): see StoreServer.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_stop_at_exit, weakref.ref(stoppable))
+    return stoppable, port
 
+
+# -- clients ----------------------------------------------------------------------------------
 
 class RendezvousClient:
     """A client of the store, with every key under ``<rdzv_id>/``.
@@ -204,23 +363,23 @@ class RendezvousClient:
     def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
         if method not in self._stubs:
             self._stubs[method] = self._channel.unary_unary(f"/{_SERVICE}/{method}")
+        request = _dumps(req)  # ValueError for a value the store would refuse
         try:
-            reply = self._stubs[method](json.dumps(req).encode(),
-                                        timeout=timeout_s or self._timeout, wait_for_ready=True,
-                                        metadata=self._metadata)
+            reply = self._stubs[method](request, timeout=timeout_s or self._timeout,
+                                        wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as e:
             raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
                                   f"{e.code().name}: {e.details()}") from None
         except ValueError as e:  # the channel was closed (the store moved; another thread's call)
             raise RendezvousError(f"rendezvous store at {self.address}: {method}: {e}") from None
         try:
-            return json.loads(reply, parse_constant=_no_constants)
+            return _loads(reply)
         except (ValueError, RecursionError) as e:
             raise RendezvousError(f"rendezvous store at {self.address}: {method}: a reply that "
-                                  f"is not plain JSON ({type(e).__name__})") from None
+                                  f"is not finite JSON ({type(e).__name__}: {e})") from None
 
     def set(self, key: str, value: Any) -> None:
-        """Sets ``key`` (JSON-serialisable value)."""
+        """Sets ``key`` (a JSON value whose numbers are finite)."""
         self._call("set", key=self._prefix + key, value=value)
 
     def set_if_absent(self, key: str, value: Any, *, timeout_s: float | None = None) -> Any:
@@ -242,6 +401,122 @@ class RendezvousClient:
         """Removes ``key`` if present."""
         self._call("delete", key=self._prefix + key)
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every key of this job under ``prefix`` in one call (the keys of a round that
+        is over: ``delete_prefix(f"r{n}/")``); returns how many there were.
+
+        >>> server, port = serve("127.0.0.1:0")
+        >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
+        >>> for key in ("r1/member/a", "r1/final", "r10/final"):
+        ...     client.set(key, 1)
+        >>> client.delete_prefix("r1/"), sorted(client.list(""))
+        (2, ['r10/final'])
+        >>> server.stop(0)
+        True
+        """
+        return self._call("delete_prefix", prefix=self._prefix + prefix)
+
     def close(self) -> None:
         """Closes the channel."""
         self._channel.close()
+
+
+# -- what holds the port ----------------------------------------------------------------------
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+"""HTTP/2's client preface and an empty SETTINGS frame: a gRPC server answers with SETTINGS."""
+
+
+def _not_a_store(address: str, what: str) -> RendezvousError:
+    return RendezvousError(
+        f"the rendezvous port is held by something that is not a jaxdist rendezvous store: "
+        f"{address} {what}. Fix: give every host of this job another --rdzv-endpoint port, one "
+        f"that no other program uses, or stop the program on {address}")
+
+
+def _first_answer(address: str, timeout_s: float) -> bytes | None:
+    """What a server on ``address`` answers to HTTP/2's preface: b"" if it says nothing within
+    ``timeout_s``; None if it cannot be told (nothing listens, unreachable, or it hangs up)."""
+    host, port = split_address(address)
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError:
+        return None
+    end = time.monotonic() + timeout_s
+    answer, silent = b"", False
+    with conn:
+        try:
+            conn.sendall(_H2_PREFACE)
+            while len(answer) < 64:
+                conn.settimeout(max(end - time.monotonic(), 0.01))
+                chunk = conn.recv(64 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+                # Nine bytes are a frame header (SETTINGS: type 4); else read its first line.
+                if len(answer) >= 9 and (answer[3] == 4 or b"\n" in answer):
+                    break
+        except TimeoutError:
+            silent = True  # judged on what came
+        except OSError:
+            return None
+    return answer if answer or silent else None
+
+
+def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> None:
+    """Checks that what listens on ``address`` is a rendezvous store that takes this host's token.
+
+    An agent that cannot bind the rendezvous endpoint calls this once, so that a port held by
+    another program is named at once (instead of every call running into its deadline). It
+    returns quietly when the store answers, and when nothing can be told yet (nothing listens,
+    the host is unreachable, the store is busy): the usual calls and their deadlines see to those.
+
+    Args:
+      address: the store's ``host:port``.
+      token: the token this host sends (default: ``$JAXDIST_RDZV_TOKEN``, if set).
+      timeout_s: how long to wait for each answer (so at most about twice this in all).
+
+    Raises:
+      RendezvousError: something other than a store holds the port (it sends nothing, or is
+        not HTTP/2, or has no store methods), or a store refuses this host's token.
+
+    >>> server, port = serve("127.0.0.1:0", token="s3cret")
+    >>> probe(f"127.0.0.1:{port}", token="s3cret")
+    >>> probe(f"127.0.0.1:{port}", token="other")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    jaxdist.launch.rendezvous.RendezvousError: the rendezvous store at 127.0.0.1:... refuses ...
+    >>> server.stop(0)
+    True
+    """
+    token = token if token is not None else os.environ.get(ENV_TOKEN)
+    answer = _first_answer(address, timeout_s)
+    if answer is None:
+        return
+    if not answer:
+        raise _not_a_store(address, f"accepts connections but answers nothing within "
+                                    f"{timeout_s:g} s")
+    if not (len(answer) >= 9 and answer[3] == 4 and answer[5:9] == b"\0\0\0\0"):
+        first = answer.split(b"\n", 1)[0].decode("ascii", "replace").strip()
+        raise _not_a_store(address, f"answers {_clip(first, 60)!r}, not HTTP/2 as a store does")
+    channel = grpc.insecure_channel(address)
+    try:
+        channel.unary_unary(f"/{_SERVICE}/get")(
+            _dumps({"key": "probe/probe"}), timeout=timeout_s,
+            metadata=(("x-jaxdist-rdzv-token", token),) if token else None)
+    except grpc.RpcError as e:
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAUTHENTICATED and "rendezvous token" in details:
+            raise RendezvousError(
+                f"the rendezvous store at {address} refuses this host's token: it is the store "
+                f"of a job with another {ENV_TOKEN} (this host "
+                f"{'sends one that differs' if token else 'has none set'}). Fix: set {ENV_TOKEN} "
+                f"to the same value on every host of the job, or give this job another "
+                f"--rdzv-endpoint") from None
+        if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNKNOWN):
+            raise _not_a_store(address, f"speaks HTTP/2 but has no rendezvous store's methods "
+                                        f"({code.name}: {_clip(details, 80)})") from None
+        # DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED: a store that is busy or going.
+    finally:
+        channel.close()

@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+from jaxdist import _output
+from jaxdist._output import integer, real, size
 from jaxdist.plan.cost import (LINKS, OPTIMIZER_SLOTS, PRECISIONS, Link, _fmt_bytes, _link,
                           allreduce_time, predict, recommend, recommend_stage, stage_memory)
 
@@ -291,18 +293,14 @@ def memory_table(memory: list) -> str:
     return "\n".join(lines)
 
 
-def _bytes(text: str) -> float:
-    """``"16GiB"`` (binary), ``"80GB"`` (decimal) or a plain number of bytes.
+def _bytes(text: str | float) -> float:
+    """``"16GiB"`` (binary), ``"80GB"`` (decimal) or a plain number of bytes (``jaxdist._output``'s
+    parser, which every size option of the command line uses).
 
     >>> _bytes("16GiB") == 16 * 2**30, _bytes("80GB"), _bytes("1e6")
     (True, 80000000000.0, 1000000.0)
     """
-    text = str(text).strip()
-    for suffix, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40),
-                          ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12), ("B", 1)):
-        if text.upper().endswith(suffix.upper()):
-            return float(text[:-len(suffix)]) * scale
-    return float(text)
+    return _output.parse_bytes(text)
 
 
 def scaling_table(param_bytes: float, step_time_s: float, *, hosts: int, devices_per_host: int,
@@ -333,12 +331,17 @@ def _powers(n: int) -> list[int]:
     return out + [n]
 
 
-def _seconds(text: str) -> float:
-    text = str(text).strip().lower()
-    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
-        if text.endswith(suffix):
-            return float(text[:-len(suffix)]) * scale
-    return float(text)
+def _seconds(text: str | float) -> float:
+    """``"12ms"``, ``"0.3s"``, ``"250us"`` or a plain number of seconds (``jaxdist._output``'s parser).
+
+    >>> _seconds("12ms"), _seconds(0.5)
+    (0.012, 0.5)
+    """
+    return _output.parse_seconds(text)
+
+
+def _usage(message: str):
+    _output.usage_error("jaxdist plan", message)
 
 
 def run_cli(args) -> str:
@@ -353,6 +356,7 @@ def run_cli(args) -> str:
     >>> print(run_cli(parser.parse_args(["--model", "mlp", "--step-time", "2ms"])).splitlines()[0])
     model: 918.5 KiB of gradients in 6 leaves; one device: 2.000 ms per step at batch 64
     """
+    check_args(args)
     lines = []
     if args.calibrate:
         import jax
@@ -364,14 +368,15 @@ def run_cli(args) -> str:
     elif args.model:
         param_bytes, leaves, opt_bytes, num_params = factory_size(args.model)
         if args.calibrate and not args.step_time:
-            raise SystemExit("jaxdist plan: --calibrate measures the built-in models only; give "
-                             "--step-time for your own model")
+            _usage("--calibrate measures the built-in models only; give --step-time for your "
+                   "own model (e.g. --step-time 12ms)")
     else:
         param_bytes, leaves = None, None
-    param_bytes = float(args.param_bytes) if args.param_bytes else param_bytes
+    param_bytes = _bytes(args.param_bytes) if args.param_bytes else param_bytes
     leaves = args.leaves or leaves or 1
     if param_bytes is None:
-        raise SystemExit("jaxdist plan: give --model {mlp,cnn} or --param-bytes N (and --leaves L)")
+        _usage("give --model {mlp,cnn,MODULE:FACTORY} or --param-bytes (e.g. --param-bytes 100MB, "
+               "and --leaves L)")
     fixed = args.fixed_time and _seconds(args.fixed_time) or 0.0
     if args.step_time:
         step = _seconds(args.step_time)
@@ -380,8 +385,7 @@ def run_cli(args) -> str:
         lines.append(f"measured here: one device, {args.model} at batch {args.batch}: "
                      f"{step * 1e3:.3f} ms per step, of which {fixed * 1e3:.3f} ms batch-independent")
     else:
-        raise SystemExit("jaxdist plan: give --step-time (one device's step, e.g. 12ms) or "
-                         "--calibrate with --model to measure it here")
+        raise AssertionError("check_args lets no plan through without a step time")
     intra, inter = args.intra, args.inter
     if args.calibrate:
         import jax
@@ -392,9 +396,6 @@ def run_cli(args) -> str:
                      f"{link.sync_s * 1e6:.0f} us per step to start")
         intra = link if intra == "measured" else intra
         inter = link if inter == "measured" else inter
-    for name, link in (("intra", intra), ("inter", inter)):
-        if link == "measured":
-            raise SystemExit(f"jaxdist plan: --{name} measured needs --calibrate")
     rec = recommend(param_bytes, step, hosts=args.hosts, devices_per_host=args.devices_per_host,
                     batch_per_device=args.batch, num_leaves=leaves, intra=intra, inter=inter,
                     fixed_s=fixed, overlap=args.overlap, fused=args.fused,
@@ -434,44 +435,90 @@ def run_cli(args) -> str:
     return "\n".join(lines)
 
 
+# The checks of ``jaxdist plan`` that involve several options, run before any work (importing a
+# factory, measuring): (is it wrong?, what to say). Each message names the flag and a valid value.
+PLAN_CHECKS = [
+    (lambda a: not a.model and not a.param_bytes,
+     lambda a: "give --model {mlp,cnn,MODULE:FACTORY} or --param-bytes (e.g. --param-bytes 100MB, "
+               "and --leaves L)"),
+    (lambda a: not a.step_time and not (a.calibrate and a.model in ("mlp", "cnn")),
+     lambda a: "give --step-time (one device's step, e.g. --step-time 12ms) or --calibrate with "
+               "--model mlp|cnn to measure it here"),
+    (lambda a: a.step_time and a.fixed_time and _seconds(a.fixed_time) >= _seconds(a.step_time),
+     lambda a: f"--fixed-time {a.fixed_time} must be less than --step-time {a.step_time} (it is "
+               "the part of the step that does not grow with the batch)"),
+    (lambda a: "measured" in (a.intra, a.inter) and not a.calibrate,
+     lambda a: f"--{'intra' if a.intra == 'measured' else 'inter'} measured needs --calibrate "
+               "(or name a link, e.g. --intra nvlink3)"),
+    # Between hosts the network, not NVLink, sets the pace: the planner used to take --intra for
+    # it, predicting 4 hosts as if their GPUs shared one NVLink domain. It asks instead.
+    (lambda a: a.hosts > 1 and a.inter is None,
+     lambda a: f"--hosts {a.hosts} needs --inter, the link between hosts (e.g. --inter "
+               f"ethernet-25g; one of {', '.join(sorted(LINKS))}, or measured)"),
+    (lambda a: a.calibrate and a.calibrate_devices < 2,
+     lambda a: f"--calibrate-devices {a.calibrate_devices}: an all-reduce needs at least 2 "
+               "devices (e.g. --calibrate-devices 8)"),
+]
+
+
+def check_args(args) -> None:
+    """Runs ``PLAN_CHECKS``: the first that fails ends the command (one line, exit status 2)."""
+    for wrong, message in PLAN_CHECKS:
+        if wrong(args):
+            _usage(message(args))
+
+
 def add_arguments(p) -> None:
     """The options of ``jaxdist plan`` on an ``argparse`` parser.
+
+    Every value is checked as it is parsed (sizes and times take units: ``100MB``, ``12ms``).
 
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
     >>> add_arguments(parser)
     >>> parser.parse_args(["--model", "cnn"]).devices_per_host
     8
+    >>> parser.parse_args(["--param-bytes", "100MB", "--step-time", "12ms"]).param_bytes
+    100000000.0
     """
+    links = (*sorted(LINKS), "measured")
     p.add_argument("--model", metavar="{mlp,cnn} | MODULE:FACTORY",
+                   type=_output.module_factory(builtins=("mlp", "cnn"),
+                                               example="mypkg.models:make_state"),
                    help="a built-in model, or your own: a factory returning a train state "
                         "(a TrainState, (model, optimizer), (params, opt_state)) or a parameter "
                         "pytree (sizes read from it)")
-    p.add_argument("--param-bytes", help="gradient bytes all-reduced per step (e.g. 102e6)")
-    p.add_argument("--leaves", type=int, default=None, help="gradient leaves (arrays)")
-    p.add_argument("--step-time", help="one device's step time at --batch (e.g. 12ms, 0.3s)")
-    p.add_argument("--fixed-time", help="the part of --step-time that does not grow with the batch")
-    p.add_argument("--batch", type=int, default=64, help="per-device batch of --step-time")
-    p.add_argument("--hosts", type=int, default=1)
-    p.add_argument("--devices-per-host", type=int, default=8)
-    p.add_argument("--intra", default="nvlink3",
-                   help=f"link inside a host: one of {', '.join(sorted(LINKS))} or 'measured'")
-    p.add_argument("--inter", default=None, help="link between hosts (default: --intra)")
-    p.add_argument("--overlap", type=float, default=0.0,
+    p.add_argument("--param-bytes", type=size(example="100MB"), metavar="BYTES",
+                   help="gradient bytes all-reduced per step (e.g. 100MB, 1.5GiB, 102e6)")
+    p.add_argument("--leaves", type=integer(example=161), default=None,
+                   help="gradient leaves (arrays)")
+    p.add_argument("--step-time", type=_output.duration(example="12ms"), metavar="TIME",
+                   help="one device's step time at --batch (e.g. 12ms, 0.3s)")
+    p.add_argument("--fixed-time", type=_output.duration(example="2ms", zero=True), metavar="TIME",
+                   help="the part of --step-time that does not grow with the batch (e.g. 2ms)")
+    p.add_argument("--batch", type=integer(example=64), default=64,
+                   help="per-device batch of --step-time")
+    p.add_argument("--hosts", type=integer(example=4), default=1)
+    p.add_argument("--devices-per-host", type=integer(example=8), default=8)
+    p.add_argument("--intra", default="nvlink3", choices=links, metavar="LINK",
+                   help=f"link inside a host: one of {', '.join(links)}")
+    p.add_argument("--inter", default=None, choices=links, metavar="LINK",
+                   help="link between hosts (needed with --hosts > 1; same choices as --intra)")
+    p.add_argument("--overlap", type=real(at_least=0, at_most=1, example=0.5), default=0.0,
                    help="fraction of the all-reduce hidden behind the backward pass (0..1)")
     p.add_argument("--fused", action="store_true",
                    help="all gradients in one all-reduce (XLA's combiner on GPU/TPU)")
-    p.add_argument("--compute-parallelism", type=float, default=None,
+    p.add_argument("--compute-parallelism", type=real(above=0, example=1), default=None,
                    help="devices that compute truly in parallel (1 for simulated CPU devices)")
-    p.add_argument("--target-efficiency", type=float, default=0.9)
+    p.add_argument("--target-efficiency", type=real(above=0, at_most=1, example=0.9), default=0.9)
     p.add_argument("--calibrate", action="store_true",
                    help="measure here: one device's step time (--model) and XLA's all-reduce "
                         "over --calibrate-devices simulated devices (use with --intra measured)")
-    p.add_argument("--calibrate-devices", type=int, default=8)
+    p.add_argument("--calibrate-devices", type=integer(at_least=2, example=8), default=8)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adam",
                    help="optimizer state per parameter for the memory table")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
                    help="jaxdist.precision policy for the memory table")
-    p.add_argument("--device-memory", default=None, metavar="BYTES",
+    p.add_argument("--device-memory", default=None, metavar="BYTES", type=size(example="16GiB"),
                    help="memory per device (e.g. 16GiB, 80e9): recommends a zero_stage when the "
                         "replicated state does not fit")

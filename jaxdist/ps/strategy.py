@@ -34,6 +34,7 @@ from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERV
                                   TLSConfig, Unavailable, resolve_token, serve_until_stopped)
 from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
                                strategy_grad_fn)
+from jaxdist.strategy.base import _scope, check_global_batch_size
 
 __all__ = ["ParameterServerStrategy", "LocalCluster"]
 
@@ -201,7 +202,34 @@ class ParameterServerStrategy:
           A :class:`jaxdist.ps.fit.PSDataset`.
         """
         from jaxdist.ps.fit import PSDataset
+        check_global_batch_size(global_batch_size)
         return PSDataset(data, global_batch_size, shuffle=shuffle, seed=seed)
+
+    def experimental_distribute_dataset(self, dataset: Any, global_batch_size: int | None = None,
+                                        /, **kwargs) -> Any:
+        """tf.distribute's name for :meth:`distribute` (which takes the global batch size too:
+        jaxdist batches the data itself).
+
+        Raises:
+          TypeError: no ``global_batch_size``.
+        """
+        if global_batch_size is None:
+            raise TypeError("experimental_distribute_dataset(dataset, global_batch_size): pass the "
+                            "unbatched arrays and the global batch size, e.g. "
+                            "strategy.experimental_distribute_dataset((x, y), 128)")
+        return self.distribute(dataset, global_batch_size, **kwargs)
+
+    def scope(self):
+        """tf's ``with strategy.scope():``, a no-op here: tf creates the variables it places on
+        the parameter servers under it; jaxdist's servers receive the parameters you pass to
+        :meth:`start` (or to ``fit``), wherever they were created. Yields the strategy.
+
+        >>> s = ParameterServerStrategy(LocalCluster(num_ps=1, num_workers=2))
+        >>> with s.scope() as scoped:
+        ...     scoped is s
+        True
+        """
+        return _scope(self, None)
 
     def placement_report(self) -> str:
         """Which leaf lives on which server, and each server's load (after :meth:`start`)."""

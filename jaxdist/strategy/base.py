@@ -7,10 +7,13 @@ work happens in the functions it returns (``step``) or runs (``run``); building 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 import jax
 from jax.sharding import Mesh
@@ -64,6 +67,103 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def local_results(self, value: Any) -> tuple:
         """This process's per-replica values, in replica order."""
+
+    # --- tf.distribute's own spellings (migration code runs unchanged) -------------------------
+    def experimental_local_results(self, value: Any) -> tuple:
+        """tf.distribute's name for :meth:`local_results` (the same method).
+
+        >>> import jax, jaxdist
+        >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> len(s.experimental_local_results(s.run(lambda: jaxdist.replica_id())))
+        2
+        """
+        return self.local_results(value)
+
+    def experimental_distribute_dataset(self, dataset: Any, global_batch_size: int | None = None,
+                                        /, **kwargs) -> Any:
+        """tf.distribute's name for :meth:`distribute`, which also takes the global batch size.
+
+        tf batches a ``tf.data`` dataset before distributing it (``ds.batch(128)``); jaxdist
+        batches for you, padding the last batch with a mask, so the arrays and the global batch
+        size go in together: ``strategy.experimental_distribute_dataset((x, y), 128)``.
+
+        Args:
+          dataset: what :meth:`distribute` takes (a tuple / dict of arrays, or an iterable of
+            batches).
+          global_batch_size: examples per step across all replicas.
+          **kwargs: :meth:`distribute`'s options (``shuffle``, ``seed``, ``drop_remainder``, ...).
+
+        Returns:
+          What :meth:`distribute` returns.
+
+        Raises:
+          TypeError: no ``global_batch_size`` (the message shows the call to write).
+
+        >>> import jax, jaxdist, numpy as np
+        >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> [int(b.mask.sum()) for b in s.experimental_distribute_dataset((np.arange(6),), 4)]
+        [4, 2]
+        """
+        if global_batch_size is None:
+            raise TypeError(
+                "experimental_distribute_dataset(dataset, global_batch_size): jaxdist batches the "
+                "data itself (padding the last batch with a mask) instead of taking a batched "
+                "tf.data dataset, so pass the unbatched arrays and the global batch size, e.g. "
+                "strategy.experimental_distribute_dataset((x, y), 128) for tf's "
+                "strategy.experimental_distribute_dataset(dataset.batch(128))")
+        return self.distribute(dataset, global_batch_size, **kwargs)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """tf's ``with strategy.scope():``: runs the block with this strategy's mesh as JAX's
+        current mesh (``jax.set_mesh``); yields the strategy.
+
+        What it does: inside the block ``jax.sharding.get_abstract_mesh()`` is the strategy's
+        mesh, so shardings named by axis (``jax.P("data")``) resolve against it, and arrays that
+        JAX computes there without a placement of their own (a model's ``init``, ``jnp.ones``)
+        come out replicated over the strategy's devices. ``run``, ``reduce``, ``gather``,
+        ``local_results``, ``put``, ``distribute`` and ``fit`` work inside it as outside. A
+        strategy without a mesh (``ParameterServerStrategy``) makes it a no-op.
+
+        What it does not: tf creates *variables* under ``scope()`` and places each the strategy's
+        way (mirrored on every replica, or on a parameter server). JAX has no variables: state is
+        a value you create anywhere and place with ``strategy.put(state)`` (a compiled step or
+        ``strategy.run`` places what it is given, and ``fit`` does it for you); arrays that
+        already live somewhere are not moved by the block, and leaving it changes no array. An
+        array on one device (each entry of ``local_results``) can be read inside it (``float``,
+        ``np.asarray``) but not computed with (JAX refuses to mix it with the mesh): do that
+        after the block. There is no ``tf.distribute.get_strategy()``: pass the strategy.
+
+        Returns:
+          A context manager (re-entrant; it nests with your own ``jax.set_mesh``).
+
+        >>> import jax, jaxdist
+        >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> with s.scope() as scoped:
+        ...     state = s.put({"w": 1.0})          # tf: variables created in scope
+        ...     print(scoped is s, dict(jax.sharding.get_abstract_mesh().shape))
+        True {'data': 2}
+        """
+        return _scope(self, self.mesh)
+
+
+@contextlib.contextmanager
+def _scope(strategy: Any, mesh: Mesh | None) -> Iterator[Any]:
+    if mesh is None:
+        yield strategy
+        return
+    with jax.set_mesh(mesh):
+        yield strategy
+
+
+def check_global_batch_size(global_batch_size: Any, what: str = "strategy.distribute") -> None:
+    """Refuses tf's and Keras's ``distribute(x, y)`` habit (two arrays where one tuple goes) with
+    the call to write; other bad sizes are left to the dataset's own check."""
+    if np.ndim(global_batch_size) > 0 or isinstance(global_batch_size, (list, tuple)):
+        shape = tuple(np.shape(global_batch_size))
+        raise TypeError(
+            f"{what}(data, global_batch_size) got an array of shape {shape} as global_batch_size: "
+            f"the dataset is one argument, so pass features and labels as one tuple, "
+            f"{what}((x, y), 128), not {what}(x, y, ...)")
 
 
 class MeshStrategy(Strategy):
@@ -172,12 +272,14 @@ class MeshStrategy(Strategy):
           ValueError: the batch size does not divide over the replicas, leaves are not arrays,
             their leading dimensions differ, a list of arrays (``[x, y]``: pass a tuple), or a
             policy that does not fit the source.
+          TypeError: an array as ``global_batch_size`` (``distribute(x, y)``: pass ``(x, y)``).
 
         >>> import jax, jaxdist, numpy as np
         >>> s = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> [int(b.mask.sum()) for b in s.distribute((np.arange(10),), 4)]
         [4, 4, 2]
         """
+        check_global_batch_size(global_batch_size)
         return DistributedDataset(self, data, global_batch_size, shuffle=shuffle, seed=seed,
                                   drop_remainder=drop_remainder, prefetch=prefetch,
                                   auto_shard_policy=auto_shard_policy,
@@ -222,6 +324,11 @@ class MeshStrategy(Strategy):
         """
         return DatasetFromFunction(self, fn, global_batch_size=global_batch_size,
                                    prefetch=prefetch, sync_timeout_s=sync_timeout_s)
+
+    def experimental_distribute_datasets_from_function(self, fn: Callable, /, **kwargs):
+        """tf.distribute's older name for :meth:`distribute_datasets_from_function` (the same
+        method, the same options)."""
+        return self.distribute_datasets_from_function(fn, **kwargs)
 
     # --- the two views ----------------------------------------------------------------------------
     def step(self, fn: Callable, /, *, donate: bool = True, max_in_flight: int = 8) -> Callable:
@@ -324,7 +431,10 @@ class MeshStrategy(Strategy):
         As tf's ``experimental_local_results``: each ``PerReplica`` in the nest is replaced by that
         replica's value; a value with no ``PerReplica`` in it is returned as a 1-tuple.
         """
-        return per_replica.local_results(self.layout, value)
+        # Each replica's value is read onto its own device; with a mesh in context (``scope()``,
+        # ``jax.set_mesh``) JAX refuses to slice a one-device array there, so none is set here.
+        with jax.set_mesh(None):
+            return per_replica.local_results(self.layout, value)
 
     def to_mirrored(self, value: Any, *, check: bool = False) -> PyTree:
         """One replicated value from per-replica values that every replica agrees on.

@@ -1,7 +1,11 @@
 """``jaxdist train``: a built-in or your own model and data, under a strategy, from the command line.
 
-Errors a user can fix (a missing directory, a bad ``module:factory``) end with a one-line message
-and status 2, never a traceback.
+Every option is checked before any work starts: its own value as it is parsed (the types of
+``jaxdist._output``), then the options together (``TRAIN_CHECKS``), then against the data once it
+is loaded (a global batch larger than the training set is refused: it would be one padded step an
+epoch). A mistake a user can fix (a bad number, a missing directory, a bad ``module:factory``)
+ends with one line, ``jaxdist train: error: ...`` naming the flag and a value that works, and exit
+status 2 (argparse's convention), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,19 +17,28 @@ import inspect
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_worker")
+from jaxdist import _output
+from jaxdist._output import directory, duration, integer, module_factory, real
+
+STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_worker", "tpu")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+# The strategies that keep a copy of the state per replica, which zero_stage shards.
+ZERO_STRATEGIES = ("mirrored", "multi_worker", "tpu")
 
 
 def _data_and_model_args(p) -> None:
     p.add_argument("--dataset", choices=("digits", "mnist", "synthetic"), default="digits")
-    p.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (--dataset mnist)")
+    p.add_argument("--data-dir", default=None, type=directory(exists=True),
+                   help="directory of the MNIST IDX files (--dataset mnist)")
     p.add_argument("--data", default=None, metavar="MODULE:FACTORY",
+                   type=module_factory(example="mypkg.data:load"),
                    help="your own data: FACTORY() returns ((x_train, y_train), (x_test, y_test)) "
                         "numpy arrays, integer labels (replaces --dataset)")
     p.add_argument("--model", default="mlp", metavar="{mlp,cnn} | MODULE:FACTORY",
+                   type=module_factory(builtins=("mlp", "cnn"), example="mypkg.models:make"),
                    help="a built-in model, or FACTORY(num_classes=...) returning a flax Module "
                         "that maps a batch of inputs to logits")
 
@@ -35,31 +48,35 @@ def add_parser(sub) -> None:
                        description="Train a model on offline data under a distribution strategy.")
     p.add_argument("--strategy", choices=STRATEGIES, default="mirrored",
                    help="multi_worker: one job across the processes of `jaxdist launch -n N` "
-                        "(or TF_CONFIG / JAXDIST_* / SLURM)")
-    p.add_argument("--devices", type=int, default=None,
+                        "(or TF_CONFIG / JAXDIST_* / SLURM); tpu: every TPU core (TPUStrategy)")
+    p.add_argument("--devices", type=integer(example=8), default=None,
                    help="devices to use; on a CPU-only machine this many are simulated "
                         "(default: all local devices)")
     _data_and_model_args(p)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=128, help="global batch size")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--epochs", type=integer(example=10), default=10)
+    p.add_argument("--batch-size", type=integer(example=128), default=128,
+                   help="global batch size: a multiple of the replicas (x --accumulate), at most "
+                        "the number of training examples")
+    p.add_argument("--learning-rate", type=real(above=0, example="1e-3"), default=1e-3)
     p.add_argument("--precision", choices=PRECISIONS, default="float32",
                    help="mixed_* keeps float32 parameters and computes in 16 bits "
                         "(float16 with dynamic loss scaling)")
-    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+    p.add_argument("--accumulate", type=integer(example=4), default=1, metavar="K",
                    help="split each global batch into K micro-batches (gradient accumulation)")
-    p.add_argument("--checkpoint-dir", default=None,
+    p.add_argument("--checkpoint-dir", default=None, type=directory(exists=False),
                    help="save a checkpoint at every epoch end (all processes, shared directory); "
                         "on a TF_CONFIG evaluator task, the directory to evaluate")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--tensorboard", default=None, metavar="DIR",
+    p.add_argument("--tensorboard", default=None, metavar="DIR", type=directory(exists=False),
                    help="write TensorBoard event files (process 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, metavar="K",
-                   help="shard the state over the replicas (mirrored / multi_worker strategies): "
-                        "0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters")
-    p.add_argument("--steps-per-execution", type=int, default=1, metavar="K",
+    p.add_argument("--seed", type=integer(at_least=0, example=0), default=0)
+    p.add_argument("--zero-stage", type=integer(at_least=0, at_most=3, example=1), default=0,
+                   metavar="K",
+                   help="shard the state over the replicas (mirrored / multi_worker / tpu "
+                        "strategies): 0 replicated, 1 optimizer state, 2 + gradients, "
+                        "3 + parameters")
+    p.add_argument("--steps-per-execution", type=integer(example=9), default=1, metavar="K",
                    help="run K training steps per compiled call (Keras's steps_per_execution): "
                         "faster for small models, same numbers; callbacks run every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -69,20 +86,86 @@ def add_evaluate_parser(sub) -> None:
     p = sub.add_parser("evaluate", help="evaluate every checkpoint a training job writes",
                        description="The side-car evaluator: evaluate each new checkpoint in DIR as "
                                    "it appears; stop after training's final checkpoint.")
-    p.add_argument("--watch", required=True, metavar="DIR", help="the training checkpoint directory")
+    p.add_argument("--watch", required=True, metavar="DIR", type=directory(exists=False),
+                   help="the training checkpoint directory")
     _data_and_model_args(p)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write eval/* scalars here")
+    p.add_argument("--batch-size", type=integer(example=128), default=128)
+    p.add_argument("--tensorboard", default=None, metavar="DIR", type=directory(exists=False),
+                   help="write eval/* scalars here")
     p.add_argument("--log", default=None, metavar="FILE",
                    help="append one JSON line per checkpoint (default: DIR/eval_log.jsonl)")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at DIR")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="give up after this many seconds without a new checkpoint")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poll", type=duration(example="1s"), default=1.0,
+                   help="time between looks at DIR (e.g. 500ms, 2s; a plain number is seconds)")
+    p.add_argument("--timeout", type=duration(example="1h"), default=3600.0,
+                   help="give up after this long without a new checkpoint (e.g. 30min, 1h)")
+    p.add_argument("--seed", type=integer(at_least=0, example=0), default=0)
+
+
+def _replicas_before_jax(args) -> int | None:
+    """The replica count when the options alone fix it (no JAX needed), else None."""
+    if args.strategy in ("default", "one_device"):
+        return 1
+    if args.strategy in ("mirrored", "central_storage"):
+        return args.devices
+    return None
+
+
+def _multiple(n: int, of: int) -> int:
+    """The multiple of ``of`` nearest ``n`` (at least ``of``): the value an error suggests."""
+    return max(of, round(n / of) * of)
+
+
+# The checks that involve several options, run in order before any work starts: (is it wrong?,
+# what to say). Each message names the flag and a value that works. Checks of one option's own
+# value belong in its argparse type; a new option's cross-checks go here.
+TRAIN_CHECKS: list[tuple[Callable[[Any], Any], Callable[[Any], str]]] = [
+    (lambda a: a.resume and not a.checkpoint_dir,
+     lambda a: "--resume needs --checkpoint-dir DIR (the directory to resume from)"),
+    (lambda a: a.dataset == "mnist" and not a.data and not a.data_dir,
+     lambda a: "--dataset mnist needs --data-dir DIR holding the IDX files (e.g. --data-dir "
+               "~/mnist; examples/cnn_mnist.py --write-from-digits writes some)"),
+    (lambda a: a.zero_stage and a.strategy not in ZERO_STRATEGIES,
+     lambda a: f"--zero-stage {a.zero_stage} needs --strategy mirrored, multi_worker or tpu (the "
+               f"strategies that keep a copy of the state per replica), not {a.strategy}"),
+    (lambda a: a.strategy == "tpu" and a.devices is not None,
+     lambda a: f"--strategy tpu runs on every TPU core; drop --devices {a.devices} (or use "
+               "--strategy mirrored --devices N)"),
+    (lambda a: a.batch_size % a.accumulate,
+     lambda a: f"--batch-size {a.batch_size} must be a multiple of --accumulate {a.accumulate} "
+               f"(e.g. --batch-size {_multiple(a.batch_size, a.accumulate)})"),
+    (lambda a: _replicas_before_jax(a) and a.batch_size % (_replicas_before_jax(a) * a.accumulate),
+     lambda a: _batch_message(a, _replicas_before_jax(a))),
+]
+
+
+def _batch_message(args, replicas: int) -> str:
+    per = replicas * args.accumulate
+    return (f"--batch-size {args.batch_size} must be a multiple of the {replicas} replicas"
+            + (f" x --accumulate {args.accumulate}" if args.accumulate > 1 else "")
+            + f" (e.g. --batch-size {_multiple(args.batch_size, per)})")
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Runs ``TRAIN_CHECKS``: the first that fails ends the command (one line, exit status 2).
+
+    >>> import argparse
+    >>> args = argparse.Namespace(resume=False, checkpoint_dir=None, dataset="digits", data=None,
+    ...     data_dir=None, zero_stage=0, strategy="mirrored", devices=8, batch_size=100,
+    ...     accumulate=1)
+    >>> check_train_args(args)  # doctest: +SKIP
+    jaxdist train: error: --batch-size 100 must be a multiple of the 8 replicas (e.g. --batch-size 96)
+    """
+    for wrong, message in TRAIN_CHECKS:
+        if wrong(args):
+            _fail(message(args))
+
+
+_PROG = ["jaxdist train"]  # the command whose errors _fail reports (evaluate sets its own)
 
 
 def _fail(msg: str):
-    raise SystemExit(f"jaxdist train: {msg}")
+    """A mistake the user can fix: one line naming the flag, exit status 2 (no traceback)."""
+    _output.usage_error(_PROG[0], msg)
 
 
 def _load_factory(spec: str, what: str) -> Any:
@@ -199,7 +282,10 @@ def _build_model(args, num_classes: int):
         takes = "num_classes" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes = False
-    model = factory(num_classes=num_classes) if takes else factory()
+    try:
+        model = factory(num_classes=num_classes) if takes else factory()
+    except Exception as e:  # the user's code: one line naming it, not a traceback
+        _fail(f"--model {args.model}: the factory raised {type(e).__name__}: {_one_line(e)}")
     return _as_linen_like(model, args.model)
 
 
@@ -245,14 +331,20 @@ def _as_linen_like(model: Any, spec: str) -> Any:
 
 
 def _strategy(args, devices):
+    import jax
+
     import jaxdist
 
     zero_stage = getattr(args, "zero_stage", 0)
-    if zero_stage and args.strategy not in ("multi_worker", "mirrored"):
-        _fail(f"--zero-stage {zero_stage} needs --strategy mirrored or multi_worker (the strategies "
-              f"that keep a copy of the state per replica), not {args.strategy}")
     if args.strategy == "multi_worker":
         return jaxdist.MultiWorkerMirroredStrategy(zero_stage=zero_stage)
+    if args.strategy == "tpu":
+        try:
+            return jaxdist.TPUStrategy(zero_stage=zero_stage)
+        except RuntimeError:
+            _fail(f"--strategy tpu: no TPU here (JAX's backend is {jax.default_backend()}); on a "
+                  'Cloud TPU VM or a Colab TPU runtime install "jaxdist[tpu]", elsewhere use '
+                  "--strategy mirrored")
     if args.strategy == "mirrored":
         return jaxdist.MirroredStrategy(devices, zero_stage=zero_stage)
     if args.strategy == "central_storage":
@@ -267,13 +359,7 @@ def _callbacks(args) -> list:
     from jaxdist.checkpoint.manager import CheckpointManager
 
     cbs: list = []
-    if args.resume and not args.checkpoint_dir:
-        _fail("--resume needs --checkpoint-dir DIR (the directory to resume from)")
     if args.checkpoint_dir:
-        parent = os.path.dirname(os.path.abspath(args.checkpoint_dir))
-        if not os.path.isdir(parent):
-            _fail(f"--checkpoint-dir {args.checkpoint_dir}: the parent directory {parent} does not "
-                  "exist")
         if args.resume:
             cbs.append(callbacks.BackupAndRestore(args.checkpoint_dir))
         else:
@@ -295,25 +381,41 @@ def _select_devices(n: int | None):
     if n is None:
         return devices
     if len(devices) < n:
-        _fail(f"--devices {n} but only {len(devices)} {jax.default_backend()} devices are available")
+        _fail(f"--devices {n} but only {len(devices)} {jax.default_backend()} devices are "
+              f"available (e.g. --devices {len(devices)})")
     return devices[:n]
+
+
+def _check_batch_against_data(args, num_examples: int, replicas: int) -> None:
+    """The global batch against the replicas (known now) and the training set's size.
+
+    A batch larger than the training set is refused rather than warned about: every epoch would be
+    one step of mostly padding (1,438 digits in a batch of 5,000 trained to 0.12 accuracy), which
+    is never what was meant; a batch of exactly the training set (full-batch training) is allowed.
+    """
+    if args.batch_size % (replicas * args.accumulate):
+        _fail(_batch_message(args, replicas))
+    if args.batch_size > num_examples:
+        fits = num_examples // (replicas * args.accumulate) * replicas * args.accumulate
+        _fail(f"--batch-size {args.batch_size} is more than the {num_examples} training examples "
+              f"of {args.data or args.dataset}: each epoch would be one step, mostly padding; use "
+              f"at most {num_examples} (e.g. --batch-size {min(128, fits) or fits})")
+
+
+def _show_epoch_lines(args) -> bool:
+    """Whether to print a line per epoch after training: not when the progress bars, which end
+    showing the same metrics, are on the same terminal (the issue's "every epoch twice")."""
+    return bool(args.quiet or not (sys.stdout.isatty() and sys.stderr.isatty()))
 
 
 def train(args: argparse.Namespace) -> int:
     """Runs ``jaxdist train``; returns the exit status."""
+    check_train_args(args)  # before JAX starts: a mistake costs no compilation
     import jax
 
     if args.devices is not None:
-        if args.devices < 1:
-            _fail("--devices must be >= 1")
         # Only affects the CPU backend, so it is harmless when an accelerator is present.
         jax.config.update("jax_num_cpu_devices", args.devices)
-    if args.accumulate < 1:
-        _fail(f"--accumulate must be >= 1, got {args.accumulate}")
-    if args.steps_per_execution < 1:  # a usage error: argparse's status
-        print(f"jaxdist train: --steps-per-execution must be >= 1 (steps per compiled call), got "
-              f"{args.steps_per_execution}", file=sys.stderr)
-        raise SystemExit(2)
     from jaxdist.launch.cluster import cluster_from_environment
 
     try:
@@ -338,15 +440,13 @@ def train(args: argparse.Namespace) -> int:
               "one independent job per process; use --strategy multi_worker for one job across "
               "them", file=sys.stderr)
     (x, y), (xt, yt) = _load_data(args)
-    strategy = _strategy(args, None if args.strategy == "multi_worker" else
+    strategy = _strategy(args, None if args.strategy in ("multi_worker", "tpu") else
                          _select_devices(args.devices))
     n = strategy.num_replicas_in_sync
-    if args.batch_size % (n * args.accumulate):
-        _fail(f"--batch-size {args.batch_size} must be a multiple of the {n} replicas"
-              + (f" x --accumulate {args.accumulate}" if args.accumulate > 1 else ""))
+    num_classes = _num_classes(args, y, yt)  # labels first: a wrong file beats a batch size
+    _check_batch_against_data(args, len(x), n)
     cbs = _callbacks(args)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    num_classes = _num_classes(args, y, yt)
     say(f"jaxdist {jaxdist.__version__}: {type(strategy).__name__} over {n} "
         f"{jax.default_backend()} device(s) in {jax.process_count()} process(es); {args.model} on "
         f"{args.data or args.dataset} ({len(x)} train / {len(xt)} test), global batch "
@@ -364,10 +464,11 @@ def train(args: argparse.Namespace) -> int:
                        verbose=0 if args.quiet else 1,
                        steps_per_execution=args.steps_per_execution)
     elapsed = time.perf_counter() - t0
-    for e, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
-            "loss", "accuracy", "val_loss", "val_accuracy")))):
-        say(f"epoch {e + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
-            f"val_loss {vl:.4f}  val_accuracy {va:.4f}")
+    if _show_epoch_lines(args):
+        for e, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
+                "loss", "accuracy", "val_loss", "val_accuracy")))):
+            say(f"epoch {e + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
+                f"val_loss {vl:.4f}  val_accuracy {va:.4f}")
     trained = len(hist.epochs)
     say(f"trained {trained} epochs in {elapsed:.1f}s "
         f"({trained * len(x) / max(elapsed, 1e-9):,.0f} examples/s incl. compilation and evaluation)")
@@ -387,6 +488,8 @@ def evaluate(args: argparse.Namespace) -> int:
     from jaxdist.checkpoint import evaluator
     from jaxdist.training import models
 
+    if getattr(args, "command", None) == "evaluate":
+        _PROG[0] = "jaxdist evaluate"
     (_, y), (xt, yt) = _load_data(args)
     model = _build_model(args, _num_classes(args, y, yt))
     strategy = jaxdist.MirroredStrategy(jax.local_devices())
@@ -407,8 +510,8 @@ def evaluate(args: argparse.Namespace) -> int:
     try:
         results = evaluator.watch(args.watch, evaluate_checkpoint, tensorboard=args.tensorboard,
                                   log_path=log, poll_s=args.poll, timeout_s=args.timeout)
-    except TimeoutError as e:
-        _fail(str(e))
+    except TimeoutError as e:  # not a usage mistake: exit status 1
+        raise SystemExit(f"jaxdist evaluate: {e}") from None
     for step, m in sorted(results.items()):
         print(f"checkpoint {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in m.items()), flush=True)
     print(f"evaluated {len(results)} checkpoints; the final one was step {max(results, default=None)}")

@@ -1,9 +1,11 @@
 """A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
 
-    ft_train.py OUT BACKUP [--fault kill|stop|none] [--rank R] [--at STEP] [--epochs E]
+    ft_train.py OUT BACKUP [--fault kill|stop|stuck|none] [--rank R] [--at STEP] [--epochs E]
+        [--zero-stage K]
 
 On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
-SIGSTOPs itself. Rank 0 prints ``trained step N epoch E position P`` after each step, the step it
+SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
+input pipeline that waits for ever; its peers wait inside the next step's collective). Rank 0 prints ``trained step N epoch E position P`` after each step, the step it
 resumed from (and whether from memory or from the backup), and writes the final parameters to OUT.
 The backup period is longer than the run, so only the in-memory tier can save work.
 """
@@ -29,6 +31,8 @@ ap.add_argument("--at", type=int, default=5)
 ap.add_argument("--epochs", type=int, default=2)
 ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an outside actor "
                 "can then act at a chosen step)")
+ap.add_argument("--zero-stage", type=int, default=0)
+ap.add_argument("--hidden", type=int, default=32)
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 me = jax.process_index()
@@ -49,13 +53,20 @@ class Fault(jaxdist.callbacks.Callback):
         if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
+            if args.fault == "stuck":
+                wait_for_input_that_never_comes()
             os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
 
 
-strategy = jaxdist.MultiWorkerMirroredStrategy()
+def wait_for_input_that_never_comes():
+    while True:
+        time.sleep(0.2)
+
+
+strategy = jaxdist.MultiWorkerMirroredStrategy(zero_stage=args.zero_stage)
 (x, y), _ = jaxdist.datasets.digits()
 x, y = x[:700], y[:700]
-state = models.create_train_state(models.MLP(hidden=(32,)), x[:1], seed=1)
+state = models.create_train_state(models.MLP(hidden=(args.hidden,)), x[:1], seed=1)
 backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
 history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                       strategy.distribute((x, y), 96, shuffle=True, seed=5),

@@ -1,0 +1,88 @@
+"""How often the in-memory tier copies and writes, from what it measures (``jaxdist.memstate``)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+import time
+
+
+class _Cadence:
+    """How often to copy and how often to persist, from measured costs (see the module's
+    docstring).
+
+    A host copy costs the loop its dispatch (measured in :meth:`StateTier.save`) and, where the
+    devices are the host's own cores (XLA:CPU), the memory copy itself (estimated from the bytes
+    and the copy speed the writer measures). A persist costs, on XLA:CPU, the writer thread's CPU
+    time (``time.thread_time``: steady however busy the machine is); elsewhere it runs beside the
+    devices. The first persist (first-use setup) is not counted.
+    """
+
+    def __init__(self, every: int | None, budget: float, host_is_device: bool, nbytes: int):
+        self.every, self.budget, self.host_is_device = every, budget, host_is_device
+        self.nbytes = nbytes
+        self._steps: collections.deque = collections.deque(maxlen=64)  # seconds per step
+        self._last_call: tuple[float, int] | None = None
+        self._loops: collections.deque = collections.deque(maxlen=9)
+        self._persists: collections.deque = collections.deque(maxlen=5)  # (cpu s, wall s)
+        self._seen = 0
+        self.copy_every = self.k = every or 1
+        self.bound = self.bound_all = None
+        self.parts: dict[str, float] = {}
+
+    def on_done(self, step: int) -> None:
+        """The copy of ``step`` is done, so the step is: steps are timed as the devices finish
+        them (the loop's own calls come in bursts while it runs ahead of the devices)."""
+        now = time.perf_counter()
+        if self._last_call is not None and step > self._last_call[1]:
+            self._steps.append((now - self._last_call[0]) / (step - self._last_call[1]))
+        self._last_call = (now, step)
+
+    def step_s(self) -> float | None:
+        """The median time per step (the first two intervals left out: compilation)."""
+        values = list(self._steps)[2:] if len(self._steps) > 4 else []
+        return statistics.median(values) if values else None
+
+    def on_copy(self, loop_s: float) -> None:
+        self._loops.append(loop_s)
+
+    def on_persist(self, cpu_s: float, wall_s: float) -> None:
+        self._seen += 1
+        if self._seen > 1:  # the first: creating files, first use of every code path
+            self._persists.append((cpu_s, wall_s))
+            self._decide()
+
+    def _decide(self) -> None:
+        step = self.step_s()
+        if step is None or step <= 0 or not self._persists or not self._loops:
+            return
+        loop = statistics.median(self._loops)
+        cpu = statistics.median(p[0] for p in self._persists)
+        wall = statistics.median(p[1] for p in self._persists)
+        # The writer reads and writes the bytes once and sums them: a copy moves them once.
+        copy = self.nbytes / max(self.nbytes / max(wall, 1e-6) * 2, 1e9)
+        copy_cost = loop + (copy if self.host_is_device else 0.0)
+        persist_cost = cpu if self.host_is_device else 0.0
+        writes = max(1, math.ceil(wall / step))
+        lands = max(1, math.ceil(copy / step))  # steps a copy takes to be ready after its step
+        self.parts = {"loop_s": loop, "copy_s": copy, "persist_cpu_s": cpu, "persist_s": wall}
+        if self.every is not None:
+            self.copy_every = self.k = self.every
+        else:
+            share = self.budget if persist_cost == 0 else self.budget * 2 / 3
+            self.copy_every = max(1, math.ceil(copy_cost / (share * step)))
+            left = self.budget - copy_cost / (self.copy_every * step)
+            by_budget = math.ceil(persist_cost / (left * step)) if persist_cost else 1
+            self.k = min(10_000, max(self.copy_every, by_budget, writes))
+        self.bound = self.copy_every + lands - 1
+        self.bound_all = self.k + writes - 1
+
+    def cost(self) -> float | None:
+        """The tier's time per step taken from training (seconds), as measured."""
+        if not self.parts or self.step_s() is None:
+            return None
+        p = self.parts
+        copy = p["loop_s"] + (p["copy_s"] if self.host_is_device else 0.0)
+        persist = p["persist_cpu_s"] if self.host_is_device else 0.0
+        return copy / self.copy_every + persist / self.k

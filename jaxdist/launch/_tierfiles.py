@@ -1,0 +1,114 @@
+"""What a process's in-memory tier and its host's launcher tell each other, as files in the
+host's state directory (``JAXDIST_STATE_DIR``): the step to stop at (``stop``), a request to write
+the newest copy now (``flush``, answered in ``<rank>/flushed``), what a tier does (``<rank>/tier.json``),
+and why a process ended early (``<rank>/outcome.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jaxdist.launch.heartbeat import write_atomic
+
+DEFAULT_BUDGET = 0.05
+"""The share of steps/s the tier may cost by default."""
+
+
+def stop_path(directory: str) -> str:
+    """Where the elastic agent writes the step every process of this host stops at."""
+    return os.path.join(directory, "stop")
+
+
+def write_stop(directory: str, step: int) -> None:
+    """Asks every process of this host to stop after ``step`` (read by ``StateTier.stop_step``)."""
+    write_atomic(stop_path(directory), str(int(step)).encode())
+
+
+def flush_path(directory: str) -> str:
+    """Where the launcher asks every process of its host to write its newest copy now."""
+    return os.path.join(directory, "flush")
+
+
+def request_flush(directory: str) -> str:
+    """Asks this host's processes to write their newest copy; returns the request's token (each
+    process answers in ``<rank>/flushed``)."""
+    token = f"{time.time_ns()}"
+    write_atomic(flush_path(directory), token.encode())
+    return token
+
+
+def flushed(directory: str, rank: int | str, token: str) -> bool:
+    """Whether process ``rank`` has answered flush request ``token``."""
+    return _read_token(os.path.join(directory, str(rank), "flushed")) == token
+
+
+def watches_flush(directory: str, rank: int | str) -> bool:
+    """Whether process ``rank`` has a tier that answers flush requests."""
+    return os.path.exists(os.path.join(directory, str(rank), "flush-watch"))
+
+
+def _read_token(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def tier_path(directory: str, rank: int | str) -> str:
+    """Where process ``rank`` says what its tier does (size, cadence, the bound on lost steps)."""
+    return os.path.join(directory, str(rank), "tier.json")
+
+
+def read_tier(directory: str, rank: int | str) -> dict | None:
+    """Process ``rank``'s ``tier.json`` (None before its tier measured itself)."""
+    return _read_json(tier_path(directory, rank))
+
+
+def describe_tier(info: Mapping[str, Any]) -> str:
+    """The launcher's line for a tier's ``tier.json``.
+
+    >>> describe_tier({"bytes": 245e6, "copy_every": 2, "every": 8, "bound": 2, "bound_all": 9,
+    ...                "cost_s": 0.012, "step_s": 0.3, "budget": 0.05, "fixed": False})
+    'in-memory tier (rank 0): 245.0 MB, copied to host memory every 2 step(s) and written to the state directory every 8, costing about 0.012 s a step against 0.3 s steps (budget 5% of steps/s); a failure costs at most 2 step(s), or 9 when no process of the job survives it'
+    """
+    if info.get("fixed"):
+        why = "as JAXDIST_MEMORY_TIER_EVERY asks"
+    else:
+        why = f"budget {info.get('budget', DEFAULT_BUDGET):.0%} of steps/s"
+    return (f"in-memory tier (rank 0): {_fmt(info.get('bytes', 0))}, copied to host memory every "
+            f"{info.get('copy_every')} step(s) and written to the state directory every "
+            f"{info.get('every')}, costing about {info.get('cost_s') or 0:.2g} s a step against "
+            f"{info.get('step_s') or 0:.2g} s steps ({why}); a failure costs at most "
+            f"{info.get('bound')} step(s), or {info.get('bound_all')} when no process of the job "
+            "survives it")
+
+
+def outcome_path(directory: str, rank: int | str) -> str:
+    """Where process ``rank`` says why it ended early: refused (another state than the job's),
+    or ending so that the job re-forms without a refused process."""
+    return os.path.join(directory, str(rank), "outcome.json")
+
+
+def read_outcome(directory: str, rank: int | str) -> dict | None:
+    """Process ``rank``'s ``outcome.json`` (None if it wrote none)."""
+    return _read_json(outcome_path(directory, rank))
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+        return value if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,247 @@
+"""The in-memory state tier, in one process (8 simulated devices): snapshots off the loop's thread,
+sharded state, damaged and missing snapshots, a directory without room, and the cadence."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxdist.launch import _assemble, _slots, memstate
+from jaxdist.launch.memstate import StateTier
+
+
+def _mesh(n=8):
+    return jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n])
+
+
+def _state(step, mesh=None, spec=P("data")):
+    w = jnp.arange(64 * 6, dtype=jnp.float32).reshape(64, 6) + step
+    b = jnp.full((6,), float(step), jnp.bfloat16)
+    state = {"w": w, "b": b, "count": jnp.int32(step), "flag": jnp.array([True, False])}
+    if mesh is not None:
+        state["w"] = jax.device_put(state["w"], NamedSharding(mesh, spec))
+        state["b"] = jax.device_put(state["b"], NamedSharding(mesh, P()))
+    return state
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resumes_the_newest_of_two_slots_and_survives_donation(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1 if x.dtype != jnp.bool_ else x, s),
+                   donate_argnums=0)
+    state = _state(0)
+    for k in range(1, 6):
+        state = step(state)  # the next step donates (deletes) this state's buffers
+        assert tier.save(k, state, {"epoch": 0, "position": k})
+    tier.close()
+    steps = sorted(int(h["step"]) for _, _, h in _slots.slots(str(tmp_path)))
+    assert steps == [4, 5]  # two slots: the newest two steps
+    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    assert snap.step == 5 and snap.data_state == {"epoch": 0, "position": 5}
+    _same(snap.state, jax.tree.map(lambda x: x + 5 if x.dtype != jnp.bool_ else x, _state(0)))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_a_damaged_newest_snapshot_falls_back_to_the_older_one(tmp_path, damage):
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    for k in (1, 2):
+        tier.save(k, _state(k))
+        tier.flush()
+    tier.close()
+    rank_dir = str(tmp_path / "0")
+    newest = next(s for _, s, h in _slots.slots(str(tmp_path)) if h["step"] == 2)
+    path = _slots.data_path(rank_dir, newest)
+    if damage == "flip":  # 16 bytes in the middle of the data
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            raw = bytearray(f.read(16))
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes(b ^ 0xFF for b in raw))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) // 3)
+    else:
+        with open(_slots.header_path(rank_dir, newest), "w") as f:
+            f.write('{"format": 1, "step": 2')  # half a header
+    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    assert snap is not None and snap.step == 1
+    _same(snap.state, _state(1))
+
+
+def test_every_snapshot_damaged_gives_none_so_the_backup_is_used(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier.save(1, _state(1))
+    tier.close()
+    for _, slot, _ in list(_slots.slots(str(tmp_path))):
+        path = _slots.data_path(str(tmp_path / "0"), slot)
+        with open(path, "r+b") as f:
+            f.write(b"\x00" * 32)
+    assert StateTier(str(tmp_path), rank=0).resume(_state(0)) is None
+
+
+def test_a_snapshot_of_another_state_is_not_used(tmp_path):
+    tier = StateTier(str(tmp_path), rank=1)
+    tier.save(7, {"w": jnp.ones(2)})
+    tier.close()
+    assert StateTier(str(tmp_path), rank=0).resume({"w": jnp.ones(3)}) is None
+    assert StateTier(None).resume({"w": jnp.ones(3)}) is None  # no directory: disabled
+
+
+@pytest.mark.parametrize("layout", ["sharded", "replicated"])
+def test_sharded_state_is_kept_block_by_block_and_restored_in_place(tmp_path, layout):
+    mesh = _mesh()
+    spec = P("data") if layout == "sharded" else P()
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier.save(3, _state(3, mesh, spec))
+    tier.close()
+    (header,) = [h for _, _, h in _slots.slots(str(tmp_path))]
+    w_pieces = header["leaves"][-1]["pieces"]  # "w" sorts last
+    assert len(w_pieces) == (8 if layout == "sharded" else 1)  # each block once
+    target = _state(0, mesh, spec)
+    snap = StateTier(str(tmp_path), rank=0).resume(target)
+    assert snap.source == 0  # read from this host, no collective
+    _same(snap.state, _state(3))
+    assert snap.state["w"].sharding == target["w"].sharding
+
+
+def test_a_snapshot_is_resharded_onto_another_layout(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier.save(5, _state(5, _mesh(8), P("data")))  # 8 blocks of "w"
+    tier.close()
+    target = _state(0, _mesh(2), P(None, "data"))  # 2 devices, split along the other axis
+    snap = StateTier(str(tmp_path), rank=0).resume(target)
+    assert snap.source == -1  # put together by the collective path
+    _same(snap.state, _state(5))
+    assert snap.state["w"].sharding == target["w"].sharding
+
+
+def test_a_directory_without_room_switches_the_tier_off_with_one_warning(tmp_path, monkeypatch,
+                                                                          caplog):
+    monkeypatch.setattr(memstate, "_free_bytes", lambda d: 1000)
+    tier = StateTier(str(tmp_path), rank=0)
+    with caplog.at_level("WARNING", logger="jaxdist.launch.memstate"):
+        assert tier.save(1, _state(1)) is False
+        assert tier.save(2, _state(2)) is False
+    assert not tier.enabled
+    (record,) = [r for r in caplog.records if "in-memory state tier is off" in r.getMessage()]
+    assert "need" in record.getMessage() and "--shm-size" in record.getMessage()
+
+
+def test_a_full_directory_while_writing_switches_the_tier_off_and_training_goes_on(
+        tmp_path, monkeypatch, caplog):
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    assert tier.save(1, _state(1))
+    tier.flush()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level("WARNING", logger="jaxdist.launch.memstate"):
+        tier.save(2, _state(2))
+        tier.flush()
+        assert tier.save(3, _state(3)) is False
+    assert not tier.enabled
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    assert list(_slots.slots(str(tmp_path))) == []  # its slots are removed: room for others
+    tier.close()
+
+
+def test_copies_in_flight_are_bounded_and_a_step_past_the_bound_is_skipped_not_waited_for(
+        tmp_path, monkeypatch):
+    import threading
+
+    release, entered = threading.Event(), threading.Event()
+    real = _slots.write
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_slots, "write", slow)
+    monkeypatch.setattr(memstate, "_PENDING_SMALL", 0)  # as for a large state: two snapshots
+    tier = StateTier(str(tmp_path), rank=0)  # measured cadence: not known yet
+    assert tier.save(1, _state(1))
+    assert entered.wait(30)  # step 1's copy is done and being written (held up)
+    assert tier.save(2, _state(2))  # queued: two snapshots in host memory
+    assert tier.save(3, _state(3)) is False  # a third would pass the bound: skipped, not waited
+    assert tier.skipped == 1
+    release.set()
+    tier.close()
+    assert sorted(h["step"] for _, _, h in _slots.slots(str(tmp_path))) == [1, 2]
+
+
+def test_a_fixed_cadence_snapshots_every_n_steps(tmp_path):
+    tier = StateTier(str(tmp_path), rank=0, every=3)
+    taken = []
+    for k in range(1, 11):
+        if tier.save(k, _state(k)):
+            taken.append(k)
+        tier.flush()
+    tier.close()
+    assert taken == [1, 4, 7, 10]
+
+
+def test_the_cadence_keeps_the_cost_within_the_budget():
+    # XLA:CPU, 0.1 s steps, 100 MB: copies cost the loop 1 ms plus the copy itself (the writer
+    # moves 100 MB in 0.05 s: the copy is estimated at 0.025 s); writing costs 0.05 s of CPU
+    c = memstate._Cadence(None, 0.05, host_is_device=True, nbytes=100_000_000)
+    c._steps.extend([1.0, 1.0] + [0.1] * 10)  # two compiling steps, then 0.1 s steps
+    c.on_copy(0.001)
+    c.on_persist(cpu_s=0.5, wall_s=2.0)  # the first: setup, not counted
+    assert c.bound is None
+    c.on_persist(cpu_s=0.05, wall_s=0.05)
+    # copies: 0.026 s / (2/3 of 5% of 0.1 s) = 8 steps; writes get what is left of the 5%
+    assert (c.copy_every, c.k, c.bound, c.bound_all) == (8, 29, 8, 29)
+    assert c.cost() <= 0.05 * 0.1
+    # a GPU: the copy and the write run beside the devices; only the dispatch counts
+    gpu = memstate._Cadence(None, 0.05, host_is_device=False, nbytes=100_000_000)
+    gpu._steps.extend([1.0, 1.0] + [0.1] * 10)
+    gpu.on_copy(0.001)
+    for _ in range(2):
+        gpu.on_persist(cpu_s=0.5, wall_s=0.35)
+    assert (gpu.copy_every, gpu.k, gpu.bound, gpu.bound_all) == (1, 4, 1, 7)
+    fixed = memstate._Cadence(1, 0.05, host_is_device=True, nbytes=100_000_000)
+    fixed._steps.extend([0.1] * 12)
+    fixed.on_copy(0.01)
+    for _ in range(2):
+        fixed.on_persist(cpu_s=0.5, wall_s=0.05)
+    assert (fixed.copy_every, fixed.k, fixed.bound) == (1, 1, 1)  # asked: every step, paid for
+
+
+def test_bad_settings_are_named(monkeypatch):
+    monkeypatch.setenv(memstate.ENV_EVERY, "0")
+    with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number"):
+        StateTier("/tmp/x")
+    monkeypatch.delenv(memstate.ENV_EVERY)
+    monkeypatch.setenv(memstate.ENV_BUDGET, "5%")
+    with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER_BUDGET='5%'"):
+        StateTier("/tmp/x")
+
+
+def test_states_are_told_apart_by_paths_shapes_and_dtypes():
+    a = _assemble.describe({"w": np.zeros((2, 3), np.float32), "act": jnp.tanh})
+    b = _assemble.describe({"w": np.zeros((2, 4), np.float32)})
+    assert a[0] != b[0]
+    assert _assemble.difference(a[1], b[1]) == \
+        "['w']: (2, 3) float32 here, (2, 4) float32 in the job"
+
+
+def test_a_step_held_only_in_part_is_passed_over():
+    summaries = [{"9": {"data": None, "boxes": {"0": [[[0, 4]]]}},
+                  "8": {"data": None, "boxes": {"0": [[[0, 4]]]}}},
+                 {"8": {"data": None, "boxes": {"0": [[[4, 8]]]}}}]
+    step, why = _assemble.best_step(summaries, [(8,)])
+    assert step == 8 and "step 9 is held only in part" in why
