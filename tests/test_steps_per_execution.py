@@ -109,6 +109,20 @@ def test_callbacks_run_once_per_call_with_the_step_it_ended_on(digits):
     assert {c[5] for c in threes.calls} == {3} and {c[5] for c in ones.calls} == {1}
 
 
+def test_the_launchers_progress_counts_every_step_of_a_call(digits):
+    # The heartbeat that hang detection reads under jaxdist launch listens to these reports.
+    from jaxdist.core import progress
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    seen = []
+    stop = progress.listen(lambda steps, marker: seen.append(steps))
+    try:
+        _fit(s, _data(digits), 3, epochs=2)
+    finally:
+        stop()
+    assert seen == [3, 2, 3, 2]  # evaluation reports nothing: it trains nothing
+
+
 def test_steps_per_epoch_caps_the_last_group(digits):
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
     data = _data(digits)

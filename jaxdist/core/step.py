@@ -333,7 +333,8 @@ class DistributedStep:
         Args:
           state: as for a call; donated.
           batches: a ``Batch`` (or raw pytree) whose leaves are batches stacked on axis 0, as
-            ``DistributedIterator.next_group`` makes them (placed ``P(None, data)``).
+            ``dataset.iterator(group_size=K)`` makes them (``Group.batches``, placed
+            ``P(None, data)``).
           count: steps to run, ``1 <= count <= `` the stack's length.
 
         Returns:

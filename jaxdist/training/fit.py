@@ -119,8 +119,8 @@ def _check_scalars(flat: dict[str, Any], stacked: bool = False) -> None:
                              "metrics (means over the real examples of the batch)")
 
 
-def check_steps_per_execution(k: Any) -> int:
-    """``k`` as an int >= 1, or a ValueError naming it (``fit``'s and the CLI's rule)."""
+def _check_steps_per_execution(k: Any) -> int:
+    """``k`` as an int >= 1, or a ValueError naming it."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"steps_per_execution={k!r}; expected an int >= 1 (steps run per "
                          "compiled call; 1 runs one step per call)")
@@ -191,7 +191,7 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
     >>> evaluate(mean, jnp.float32(2.0), s.distribute(np.arange(20.0), 8), steps_per_execution=2)
     {'x': 19.0}
     """
-    group = check_steps_per_execution(steps_per_execution)
+    group = _check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(eval_step, data)
     step = _as_step(eval_step, strategy, donate=False)
     dataset = _as_dataset(data, strategy, batch_size, False, 0, "evaluate data")
@@ -260,7 +260,7 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
     ...         steps_per_execution=2).tolist() == (2 * np.arange(20.0)).tolist()
     True
     """
-    group = check_steps_per_execution(steps_per_execution)
+    group = _check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(predict_step, data)
     step = _as_step(predict_step, strategy, donate=False)
     dataset = _as_dataset(data, strategy, batch_size, False, 0, "predict data")
@@ -429,7 +429,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         training (``jaxdist.callbacks.TerminateOnNaN`` does).
     """
     check_max_in_flight(max_in_flight)
-    group = check_steps_per_execution(steps_per_execution)
+    group = _check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(train_step, data)
     step = _as_step(train_step, strategy, donate=True)
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
