@@ -456,7 +456,10 @@ class Agent:
                 steps = [b.dispatched for b in detector.progress().values() if b is not None]
                 if steps:  # a stop step needs a step to count from
                     step_s = detector.median_step_s() or 0.05
-                    ahead = max(4, math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
+                    # at least two calls ahead: a call may run several steps
+                    # (steps_per_execution), and the stop is seen at a call's end
+                    ahead = max(4, 2 * detector.largest_jump,
+                                math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
                     why = "a host joins" if joiners else "a host leaves"
                     stop = self.store.set_if_absent(f"r{n}/drain", max(steps) + ahead)
                     self.say(f"{why}: asking every process to stop at step {stop}")

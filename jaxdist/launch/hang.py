@@ -104,6 +104,7 @@ class HangDetector:
         self._changed: dict[int, float | None] = dict.fromkeys(ranks)
         self._intervals: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._armed_at: float | None = None
+        self.largest_jump = 1  # the most steps seen between two reports (a call of K steps: K)
 
     @property
     def timeout_s(self) -> float | None:
@@ -138,6 +139,7 @@ class HangDetector:
                 if self._changed[rank] is not None and last is not None:
                     steps = abs(beat.dispatched - last.dispatched)
                     self._intervals.append((now - self._changed[rank]) / max(1, steps))
+                    self.largest_jump = max(self.largest_jump, steps)
                 self._changed[rank] = now
                 if self._armed_at is None:
                     self._armed_at = now
