@@ -111,10 +111,11 @@ def test_example_runs_as_examples_readme_says(name, tmp_path):
     assert result is None or result, f"{command} did not print what it promises:\n" \
                                      f"{out.stdout[-3000:]}"
     # mixed_precision.py left a jaxdist-mp-* checkpoint folder in /tmp on every run. (A launcher's
-    # jaxdist-state-* folder, /dev/shm where there is one, outlives a launcher the fault-tolerance
-    # examples SIGKILL on purpose.)
+    # jaxdist-state-* folder, /dev/shm where there is one, and its jaxdist-xla-cache-* compile
+    # cache outlive a launcher the fault-tolerance examples SIGKILL on purpose; the next launcher
+    # removes those whose launcher is gone.)
     left = sorted(p.name for p in scratch.glob("jaxdist-*")
-                  if not p.name.startswith("jaxdist-state-"))
+                  if not p.name.startswith(("jaxdist-state-", "jaxdist-xla-cache-")))
     assert not left, f"{command} left {left} in its temporary directory"
 
 
