@@ -195,24 +195,39 @@ def test_slurm_tasks_drive_the_gpus_they_were_given(layout, extra, ids):
     assert _placement.slurm_local_device_ids({"JAXDIST_GPU_COUNT": "8"}) is None  # not SLURM
 
 
-def test_jaxdist_initialize_under_slurm_passes_the_tasks_gpus_to_jax():
-    # jax.distributed.initialize is replaced: it records its arguments and reports "no cluster".
+@pytest.mark.parametrize("how, extra, ids", [
+    # srun python train.py: JAX's SLURM detection; a task bound by --gpus-per-task=1
+    ("srun alone", {"SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "2"}, [0]),
+    # examples/deploy/slurm/per_gpu.sbatch: JAXDIST_* and CUDA_VISIBLE_DEVICES=$SLURM_LOCALID
+    ("per_gpu.sbatch", {"CUDA_VISIBLE_DEVICES": "2", "JAXDIST_PROCESS_ID": "0"}, [0]),
+    # per_host.sbatch: one task per node, which should drive every GPU of its node
+    ("per_host.sbatch", {"SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                         "SLURM_NTASKS": "2", "JAXDIST_PROCESS_ID": "0"}, [0, 1, 2, 3]),
+])
+def test_jaxdist_initialize_under_slurm_passes_the_tasks_gpus_to_jax(how, extra, ids):
+    # JAX alone gives a SLURM task the GPU numbered SLURM_LOCALID (2 here, or 0 for a lone
+    # task), whether jaxdist found the job itself or the JAXDIST_* variables named it.
+    # jax.distributed.initialize is replaced: it records its arguments.
     code = ("import json, jax\n"
             "seen = []\n"
             "def fake(**kw):\n"
             "    seen.append(kw)\n"
-            "    raise ValueError('coordinator_address should be defined.')\n"
+            "    if 'coordinator_address' not in kw:\n"
+            "        raise ValueError('coordinator_address should be defined.')\n"
             "jax.distributed.initialize = fake\n"
             "import jaxdist\n"
             "jaxdist.initialize()\n"
             "print('ids', json.dumps(seen[0].get('local_device_ids')))\n")
-    env = _env(**SLURM, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="2",
-               **{_placement.ENV_GPU_COUNT: "4"})
+    env = _env(**SLURM, **{_placement.ENV_GPU_COUNT: "4"})
     for name in ("JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
         env.pop(name, None)
+    if "JAXDIST_PROCESS_ID" in extra:
+        (port,) = launch.free_ports(1)
+        env.update(JAXDIST_COORDINATOR=f"127.0.0.1:{port}", JAXDIST_NUM_PROCESSES="2")
+    env.update(extra)
     proc = run_python(code, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("ids ")[1].strip() == "[0]", proc.stdout
+    assert json.loads(proc.stdout.split("ids ")[1]) == ids, (how, proc.stdout)
 
 
 # --- elastic: the variables follow the job as it re-forms ----------------------------------

@@ -196,7 +196,11 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
         with _Watchdog(remaining, message):
             jax.distributed.initialize(
                 coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
-                process_id=spec.process_id, local_device_ids=spec.local_device_ids,
+                process_id=spec.process_id,
+                # JAX itself would fill an unset local_device_ids from SLURM's variables (those
+                # of the sbatch recipes too): [SLURM_LOCALID], wrong for a bound or lone task.
+                local_device_ids=(spec.local_device_ids if spec.local_device_ids is not None
+                                  else slurm_local_device_ids()),
                 initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
     finally:
         if arrivals:
