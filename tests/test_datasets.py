@@ -25,7 +25,10 @@ def _write_idx(path, array, gz):
     header = bytes([0, 0, codes[array.dtype.type], array.ndim]) + struct.pack(
         f">{array.ndim}I", *array.shape)
     data = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
-    (gzip.open if gz else open)(path + (".gz" if gz else ""), "wb").write(data)
+    # Closed before the reader opens it: gzip buffers its writes (Python 3.12 holds them all
+    # until close), so an unclosed file can be read back empty.
+    with (gzip.open if gz else open)(path + (".gz" if gz else ""), "wb") as f:
+        f.write(data)
 
 
 @pytest.mark.parametrize("gz", [False, True])

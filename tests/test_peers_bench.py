@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import jax
+
 from tests.conftest import REPO, run_python
 
 
@@ -29,7 +31,7 @@ def test_peers_quick_runs_and_reports_absent_peers(tmp_path):
             assert got[name] == "not installed"
     assert got["torch_ddp"] == "n/a"  # no simulated devices in torch
     assert "2 CPU cores" in report or "CPU cores" in report
-    assert "jax 0.10.2" in report
+    assert f"jax {jax.__version__}" in report  # the JAX the benchmark ran on, whichever it is
 
 
 def test_peers_rejects_unknown_names():

@@ -339,7 +339,9 @@ class Agent:
         procs, readers = [], []
         try:
             for i in range(self.nproc):
-                env = self.l.child_env(ClusterSpec(coordinator, world, first + i).to_env(), n)
+                env = self.l.child_env(ClusterSpec(coordinator, world, first + i).to_env(), n,
+                                       local_rank=i, group_rank=index,
+                                       group_world_size=len(members))
                 procs.append(self.l.spawn(str(first + i), env, readers))
             return self._watch(n, ids, first, procs)
         finally:

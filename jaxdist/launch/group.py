@@ -25,7 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from jaxdist.launch import memstate
 from jaxdist.launch import reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
-from jaxdist.launch.cluster import ENV_PS_TOKEN, ENV_RESTART_COUNT, ClusterSpec
+from jaxdist.launch import _placement
+from jaxdist.launch.cluster import ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_PS_TOKEN
+from jaxdist.launch.cluster import ENV_RESTART_COUNT, ClusterSpec
 from jaxdist.launch.hang import HangDetector, request_stacks, waited_for
 from jaxdist.launch.hang import process_state as hang_process_state
 from jaxdist.launch.heartbeat import ENV_STATE_DIR, heartbeat_path
@@ -168,6 +170,14 @@ class _Launcher:
         self._tails: dict[str, collections.deque] = {}
         self._failures: list[tuple] = []  # signatures of this job's failures, in order
         self._tier_seen: float | None = None
+        # On a GPU host: each SPMD process's own GPUs (a ValueError, before anything starts,
+        # when there are too few); a parameter-server job's processes share the GPUs.
+        self._gpus = None if options.num_ps else _placement.plan_gpus(
+            self._env, options.num_processes, options.devices_per_process)
+        self._gpu_host = self._gpus is not None or (
+            bool(options.num_ps) and _placement.visible_gpus(self._env)[0] > 0)
+        if self._gpus is not None:
+            self.say(self._gpus.describe())
 
     def say(self, message: str) -> None:
         self._emit("stderr", (_PREFIX + message + "\n").encode())
@@ -242,9 +252,28 @@ class _Launcher:
             self._cache_dir = tempfile.mkdtemp(prefix=f"jaxdist-xla-cache-{os.getpid()}-")
         return self._cache_dir
 
-    def child_env(self, extra: Mapping[str, str], attempt: int) -> dict[str, str]:
+    def child_env(self, extra: Mapping[str, str], attempt: int, *,
+                  local_rank: int | None = None, group_rank: int = 0,
+                  group_world_size: int = 1) -> dict[str, str]:
+        """A process's environment: ``extra`` (its ``JAXDIST_*`` or TF_CONFIG) over the job's.
+
+        A process of the SPMD job (``local_rank`` given: its rank on this host; ``group_rank``
+        and ``group_world_size``: this host's place among the job's hosts) also gets torchrun's
+        variables and, on a GPU host, its own GPUs; a parameter-server task gets neither.
+        """
         env = dict(self._env)
         env.update(extra)
+        for name in _placement.TORCHRUN_VARS:  # each process's own, never the launcher's
+            env.pop(name, None)
+        if local_rank is not None:
+            env.update(_placement.torchrun_env(
+                int(extra[ENV_PROCESS_ID]), int(extra[ENV_NUM_PROCESSES]), local_rank,
+                self._options.num_processes, group_rank, group_world_size))
+            if self._gpus is not None:
+                env.update(self._gpus.env(local_rank))
+        if self._gpu_host:
+            env.update(_placement.gpu_host_env(env, self._options.hang_timeout_s,
+                                               shared=local_rank is None))
         env[ENV_RESTART_COUNT] = str(attempt)
         env.pop(ENV_STATE_DIR, None)
         if self._state_dir is not None:
@@ -257,7 +286,7 @@ class _Launcher:
         if self._options.init_timeout_s is not None:
             env[ENV_INIT_TIMEOUT] = f"{self._options.init_timeout_s:g}"
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
-        if self._options.devices_per_process is not None:
+        if self._options.devices_per_process is not None and self._gpus is None:
             env["JAX_NUM_CPU_DEVICES"] = str(self._options.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         return env
@@ -386,7 +415,8 @@ class _Launcher:
                     except FileNotFoundError:
                         pass
             for rank in range(n):
-                env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt)
+                env = self.child_env(ClusterSpec(f"127.0.0.1:{port}", n, rank).to_env(), attempt,
+                                     local_rank=rank)
                 procs.append(self.spawn(str(rank), env, readers))
             return self._supervise(procs, deadline)
         finally:

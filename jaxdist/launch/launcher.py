@@ -4,7 +4,10 @@
 
 Each process gets `JAXDIST_COORDINATOR=127.0.0.1:PORT`, `JAXDIST_NUM_PROCESSES`,
 `JAXDIST_PROCESS_ID` and `JAXDIST_RESTART_COUNT`, so `jaxdist.initialize()` joins the job with
-no arguments. Output lines are prefixed with the rank. When one process fails, the group is
+no arguments, and torchrun's `RANK`, `LOCAL_RANK`, `WORLD_SIZE` and `LOCAL_WORLD_SIZE` (with
+`GROUP_RANK`, `GROUP_WORLD_SIZE`: the host's place), for scripts written for torchrun. On a host
+with GPUs each process gets its own (``jaxdist.launch._placement``). Output lines are prefixed
+with the rank. When one process fails, the group is
 killed; with `--max-restarts R` it is started again (on a fresh port) up to R times. SIGINT and
 SIGTERM are forwarded to every process; after a grace period the stragglers are killed.
 POSIX only: each process runs in its own session so that killing it kills its children too.
@@ -77,7 +80,10 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
       target: what follows the options on the command line: `["script.py", *args]` or
         `["-m", "module", *args]`; run with the current Python interpreter.
       num_processes: number of processes (an SPMD job; not with ``num_ps``).
-      devices_per_process: simulated CPU devices per process (sets `JAX_NUM_CPU_DEVICES`).
+      devices_per_process: on a host with GPUs, how many GPUs each process gets (default: the
+        host's GPUs split evenly; process i of the host gets GPUs i*K..i*K+K-1, as JAX's
+        ``local_device_ids``, see ``jaxdist.launch._placement``); elsewhere, or with
+        ``JAX_PLATFORMS=cpu``, simulated CPU devices per process (sets `JAX_NUM_CPU_DEVICES`).
       max_restarts: how many times to restart the group after a failure.
       port: coordinator port; a free one is picked when None.
       timeout_s: kill the job after this many seconds (returncode 124).
@@ -105,7 +111,8 @@ def run(target: Sequence[str], *, num_processes: int | None = None,
       A `LaunchResult`.
 
     Raises:
-      ValueError: an option is out of range, or ``rdzv_endpoint`` is not ``HOST:PORT``.
+      ValueError: an option is out of range, ``rdzv_endpoint`` is not ``HOST:PORT``, or the
+        processes need more GPUs than the host has.
 
     >>> result = run(["-c", "print('hi')"], num_processes=2, timeout_s=60)
     >>> result.returncode, sorted(result.output.split("\\n"))
@@ -201,7 +208,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="parameter-server job: W workers (with --ps)")
     parser.add_argument("--devices-per-process", type=_count("--devices-per-process"),
                         metavar="K",
-                        help="give each process K simulated CPU devices")
+                        help="on a host with GPUs: K GPUs per process (default: the host's "
+                             "GPUs split evenly over -n); elsewhere (or with JAX_PLATFORMS=cpu): "
+                             "K simulated CPU devices per process")
     parser.add_argument("--max-restarts", type=_count("--max-restarts"), default=0, metavar="R",
                         help="restart the whole group up to R times after a failure "
                              "(--ps jobs: each failed worker / server, R times each)")
@@ -274,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             except (BrokenPipeError, ValueError):
                 pass  # the reader went away (`| head`); keep draining so children never block
 
+    try:
+        launcher = _Launcher(target, options, emit, None, None)
+    except ValueError as e:  # too few GPUs for -n x --devices-per-process: before anything starts
+        parser.error(str(e))
     # Orphaned descendants (daemons that left the ranks' sessions) become ours to kill and reap.
-    subreaper = reaper.become_subreaper()
-    launcher = _Launcher(target, options, emit, None, None)
-    launcher.subreaper = subreaper
+    launcher.subreaper = reaper.become_subreaper()
     previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

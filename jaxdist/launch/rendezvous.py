@@ -268,7 +268,10 @@ class StoreServer:
 def _stop_at_exit(ref: weakref.ref) -> None:
     server = ref()
     if server is not None:
-        server.stop(0)
+        # No grace: gRPC runs a grace period on a new thread, and from Python 3.12 no thread can
+        # start once the interpreter is shutting down (RuntimeError); without one, the calls are
+        # cancelled on this thread.
+        server.stop(None)
 
 
 def serve(address: str, *, token: str | None = None,

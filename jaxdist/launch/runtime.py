@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from jaxdist.launch._placement import slurm_local_device_ids
 from jaxdist.launch.cluster import BarrierTimeoutError as BarrierTimeoutError
 from jaxdist.launch.cluster import ClusterSpec, _fail, cluster_from_environment, split_address
 from jaxdist.launch.cluster import CoordinatorTimeoutError as CoordinatorTimeoutError
@@ -40,7 +41,9 @@ def initialize(cluster: ClusterSpec | None = None, *,
     The spec is `cluster` if given, else `TF_CONFIG`, else `JAXDIST_*` (set by `jaxdist
     launch`), else whatever `jax.distributed.initialize()` detects (SLURM, Open MPI,
     Kubernetes, Cloud TPU); with none of those this is a one-process job. A one-process job,
-    a ps task and an evaluator task do not start JAX's distributed runtime.
+    a ps task and an evaluator task do not start JAX's distributed runtime. Under SLURM, a
+    task bound to its own GPUs (``--gpus-per-task``) drives those, and a node's only task all
+    of the node's GPUs, where JAX alone would pick GPU ``SLURM_LOCALID``.
 
     Calling it again with the same job (coordinator, process count and id) or with no spec is
     a no-op that returns the current spec.
@@ -193,7 +196,11 @@ def _join(spec: ClusterSpec, timeout_s: float) -> None:
         with _Watchdog(remaining, message):
             jax.distributed.initialize(
                 coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
-                process_id=spec.process_id, local_device_ids=spec.local_device_ids,
+                process_id=spec.process_id,
+                # JAX itself would fill an unset local_device_ids from SLURM's variables (those
+                # of the sbatch recipes too): [SLURM_LOCALID], wrong for a bound or lone task.
+                local_device_ids=(spec.local_device_ids if spec.local_device_ids is not None
+                                  else slurm_local_device_ids()),
                 initialization_timeout=math.ceil(remaining) + _JAX_DEADLINE_MARGIN_S)
     finally:
         if arrivals:
@@ -241,7 +248,9 @@ def _join_autodetected(timeout_s: float) -> ClusterSpec:
                    f"Kubernetes / Cloud TPU) did not come up within {timeout_s:g} s. Check the "
                    "scheduler's logs for processes that failed to start."):
         try:
+            # Under SLURM, the GPUs of this task where JAX's guess ([SLURM_LOCALID]) is wrong.
             jax.distributed.initialize(
+                local_device_ids=slurm_local_device_ids(),
                 initialization_timeout=math.ceil(timeout_s) + _JAX_DEADLINE_MARGIN_S)
         except ValueError as e:
             # JAX's signal that no cluster environment was detected.
