@@ -221,6 +221,57 @@ def test_the_cadence_keeps_the_cost_within_the_budget():
     assert (fixed.copy_every, fixed.k, fixed.bound) == (1, 1, 1)  # asked: every step, paid for
 
 
+def test_the_announced_bounds_follow_the_copies_and_writes_that_happened():
+    # Asked: a copy every 2 steps, written every 2. The loop ran 3 steps ahead of the devices, so
+    # a copy found the one before it still in flight and was skipped: copies came every 4 steps.
+    c = memstate._Cadence(2, 0.05, host_is_device=False, nbytes=100_000_000)
+    c._steps.extend([0.1] * 12)
+    for step in (4, 8, 12):
+        c.on_copy(0.001, step)
+    for step in (4, 8, 12):
+        c.on_persist(cpu_s=0.01, wall_s=0.01, step=step)
+    assert (c.copy_every, c.k) == (2, 2)
+    assert (c.bound, c.bound_all) == (4, 4)  # not 2: what a failure there could really cost
+    forced = memstate._Cadence(2, 0.05, host_is_device=False, nbytes=100_000_000)
+    forced._steps.extend([0.1] * 12)
+    for step in (2, 4):
+        forced.on_copy(0.001, step)
+    forced.on_copy(0.001, None)  # a forced copy (a stop step) is no gap of the cadence
+    for step in (2, 4):
+        forced.on_persist(cpu_s=0.01, wall_s=0.01, step=step)
+    assert forced.bound == 2
+
+
+def test_a_survivor_writes_the_newest_landed_copy_even_while_an_older_one_is_being_written(
+        tmp_path, monkeypatch):
+    import threading
+
+    release, entered = threading.Event(), threading.Event()
+    real = _slots.write
+
+    def slow(*args, **kwargs):  # the writer is busy with step 1 (a large write)
+        if kwargs["step"] == 1:
+            entered.set()
+            release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_slots, "write", slow)
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    assert tier.save(1, _state(1))
+    assert entered.wait(30)
+    assert tier.save(2, _state(2))  # lands while the writer still writes step 1
+    import time
+
+    end = time.monotonic() + 30
+    while tier._newest_done().step != 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert tier._newest_done().step == 2  # what the flush watcher writes; the writer is at 1
+    release.set()
+    tier.flush()
+    assert tier.last_written == 2
+    tier.close()
+
+
 def test_bad_settings_are_named(monkeypatch):
     monkeypatch.setenv(memstate.ENV_EVERY, "0")
     with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number"):

@@ -124,6 +124,8 @@ def _summary(held: list[tuple[str, int, dict]]) -> dict[str, Any]:
     """What this process can read, per step: the input position and each leaf's blocks."""
     out: dict[str, Any] = {}
     for _, _, header in held:
+        if header["leaves"] and not any(leaf["pieces"] for leaf in header["leaves"]):
+            continue  # a process that writes no blocks (another on its host writes them)
         step = str(header["step"])
         entry = out.setdefault(step, {"data": header.get("data"), "boxes": {}})
         for i, leaf in enumerate(header["leaves"]):

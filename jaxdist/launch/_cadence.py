@@ -26,6 +26,13 @@ class _Cadence:
         self._last_call: tuple[float, int] | None = None
         self._loops: collections.deque = collections.deque(maxlen=9)
         self._persists: collections.deque = collections.deque(maxlen=5)  # (cpu s, wall s)
+        # Steps between the copies taken and between the writes: more than asked for when a copy
+        # had no room (the loop runs steps ahead of the devices, so the copy before it may not
+        # have landed yet). The bounds use what happened, not what was asked for.
+        self._copy_gaps: collections.deque = collections.deque(maxlen=8)
+        self._write_gaps: collections.deque = collections.deque(maxlen=4)
+        self._copied: int | None = None
+        self._written: int | None = None
         self._seen = 0
         self.copy_every = self.k = every or 1
         self.bound = self.bound_all = None
@@ -44,10 +51,18 @@ class _Cadence:
         values = list(self._steps)[2:] if len(self._steps) > 4 else []
         return statistics.median(values) if values else None
 
-    def on_copy(self, loop_s: float) -> None:
+    def on_copy(self, loop_s: float, step: int | None = None) -> None:
         self._loops.append(loop_s)
+        if step is not None:
+            if self._copied is not None and step > self._copied:
+                self._copy_gaps.append(step - self._copied)
+            self._copied = step
 
-    def on_persist(self, cpu_s: float, wall_s: float) -> None:
+    def on_persist(self, cpu_s: float, wall_s: float, step: int | None = None) -> None:
+        if step is not None:
+            if self._written is not None and step > self._written:
+                self._write_gaps.append(step - self._written)
+            self._written = step
         self._seen += 1
         if self._seen > 1:  # the first: creating files, first use of every code path
             self._persists.append((cpu_s, wall_s))
@@ -75,8 +90,10 @@ class _Cadence:
             left = self.budget - copy_cost / (self.copy_every * step)
             by_budget = math.ceil(persist_cost / (left * step)) if persist_cost else 1
             self.k = min(10_000, max(self.copy_every, by_budget, writes))
-        self.bound = self.copy_every + lands - 1
-        self.bound_all = self.k + writes - 1
+        # A failure loses the steps since the newest copy that had landed: at most the longest
+        # recent gap between copies plus the steps a copy takes to land, less one.
+        self.bound = max([self.copy_every, *self._copy_gaps]) + lands - 1
+        self.bound_all = max([self.k, *self._write_gaps]) + writes - 1
 
     def cost(self) -> float | None:
         """The tier's time per step taken from training (seconds), as measured."""

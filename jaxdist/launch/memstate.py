@@ -252,7 +252,7 @@ class StateTier:
         except Exception as e:  # noqa: BLE001 - the tier never stops training
             self._off(f"copying the state to host memory failed ({type(e).__name__}: {e})")
             return False
-        cadence.on_copy(time.perf_counter() - start)
+        cadence.on_copy(time.perf_counter() - start, None if force else int(step))
         self._last_copied = step
         copy = _Copy(int(step), host, None if data_state is None else dict(data_state))
         with self._cond:
@@ -349,7 +349,13 @@ class StateTier:
                 waited = not all(a.is_ready() for a in arrays)
                 jax.block_until_ready(arrays)
             except Exception as e:  # noqa: BLE001 - the tier never stops training
-                self._off(f"a copy to host memory failed ({type(e).__name__}: {e})")
+                # The step it copies failed (a peer died inside its collective, say): the copy
+                # is dropped; the slots keep the newest good snapshot.
+                logger.debug("the copy of step %d failed: %s", copy.step, e)
+                with self._cond:
+                    if self._copies and self._copies[0][0] is copy:
+                        self._copies.popleft()
+                    self._cond.notify_all()
                 continue
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
@@ -371,6 +377,12 @@ class StateTier:
             start, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 blocks = [_blocks(x) for x in copy.host]
+            except Exception as e:  # noqa: BLE001 - the step this copy is of failed
+                # (e.g. a peer died inside its collective): not a snapshot, and no reason to
+                # switch the tier off and remove the slots that hold the newest good one.
+                logger.debug("the copy of step %d failed: %s", copy.step, e)
+                return
+            try:
                 written = _slots.write(self._my_dir(), _slots.free_slot(self._my_dir()),
                                        step=copy.step, data_state=copy.data,
                                        fingerprint=self._fingerprint, leaves=blocks)
@@ -381,7 +393,8 @@ class StateTier:
                 self._off(f"writing a snapshot failed ({type(e).__name__}: {e})")
                 return
             self.last_written = copy.step
-            self._cadence.on_persist(time.thread_time() - cpu0, time.perf_counter() - start)
+            self._cadence.on_persist(time.thread_time() - cpu0, time.perf_counter() - start,
+                                     copy.step)
             self._announce(written)
 
     def _watch_flush(self) -> None:
@@ -399,7 +412,7 @@ class StateTier:
             if token is None or token == seen:
                 continue
             seen = token
-            copy = self._ready
+            copy = self._newest_done()
             if copy is not None:
                 self._persist(copy)
             try:
@@ -407,6 +420,24 @@ class StateTier:
                              f"{token} {self.last_written}".encode())
             except OSError:
                 pass
+
+    def _newest_done(self) -> _Copy | None:
+        """The newest copy that has landed in host memory. The writer takes copies in order and
+        may still be writing an older one (a write of hundreds of MB takes a while), so a landed
+        copy it has not reached yet is looked for among those in flight."""
+        with self._cond:
+            newest = self._ready
+            for copy, _ in self._copies:
+                if newest is not None and copy.step <= newest.step:
+                    continue
+                arrays = [d for x in copy.host if isinstance(x, _Blocks) for d in x.data]
+                try:
+                    landed = all(a.is_ready() for a in arrays)
+                except Exception:  # noqa: BLE001 - a failed copy is not a newer one
+                    landed = False
+                if landed:
+                    newest = copy
+        return newest
 
     def _announce(self, written: int) -> None:
         c = self._cadence
@@ -429,7 +460,7 @@ class StateTier:
             return
         with self._cond:
             self._cond.wait_for(lambda: not self._copies, timeout=timeout_s)
-            copy = self._ready
+        copy = self._newest_done()
         if copy is not None:
             self._persist(copy)
 
