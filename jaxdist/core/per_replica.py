@@ -29,7 +29,7 @@ from jaxdist.core.reading import gather as gather
 from jaxdist.core.reading import local_results as local_results
 from jaxdist.core.reading import reduce as reduce
 from jaxdist.core.reading import to_mirrored as to_mirrored
-from jaxdist.core.step import InFlight, _frozen, returns_state
+from jaxdist.core.step import InFlight, _frozen, _has_shardings, returns_state
 from jaxdist.core.values import (Batch, PerReplica, explaining_batch_errors, is_per_replica, join_static,
                             split_leaves)
 
@@ -211,7 +211,7 @@ class _Plan:
                 leaves = jax.tree.leaves(top)
                 known = self.batch_shardings.get(i)
                 if (known is not None and len(known) == len(leaves)
-                        and _same_shardings(leaves, known)):
+                        and _has_shardings(leaves, known)):
                     value = top  # laid out as the previous batch at this place was
                 else:
                     value = layout.put_batch(top)
@@ -231,13 +231,6 @@ class _Plan:
                 continue
             values.append(value)
         return values
-
-
-def _same_shardings(leaves: list, shardings: tuple) -> bool:
-    for x, k in zip(leaves, shardings):
-        if getattr(x, "sharding", None) is not k:
-            return False
-    return True
 
 
 def _forget(plan_ref: weakref.ref, state_ref: weakref.ref) -> None:

@@ -214,6 +214,7 @@ def _expects(plan: _Plan, state: PyTree) -> bool:
 
 
 def _has_shardings(leaves: list, shardings: tuple) -> bool:
+    """Whether each leaf has, by identity, the sharding recorded for it (a steady-state check)."""
     for x, s in zip(leaves, shardings):
         if getattr(x, "sharding", None) is not s:
             return False

@@ -8,6 +8,16 @@ import statistics
 import time
 
 
+def _gap(gaps: collections.deque, last: int | None, step: int | None) -> int | None:
+    """Records the steps since ``last`` in ``gaps``; returns the new last step (``step`` None:
+    a forced copy or write, no gap of the cadence's)."""
+    if step is None:
+        return last
+    if last is not None and step > last:
+        gaps.append(step - last)
+    return step
+
+
 class _Cadence:
     """How often to copy and how often to persist, from measured costs (see the module's
     docstring).
@@ -53,16 +63,10 @@ class _Cadence:
 
     def on_copy(self, loop_s: float, step: int | None = None) -> None:
         self._loops.append(loop_s)
-        if step is not None:
-            if self._copied is not None and step > self._copied:
-                self._copy_gaps.append(step - self._copied)
-            self._copied = step
+        self._copied = _gap(self._copy_gaps, self._copied, step)
 
     def on_persist(self, cpu_s: float, wall_s: float, step: int | None = None) -> None:
-        if step is not None:
-            if self._written is not None and step > self._written:
-                self._write_gaps.append(step - self._written)
-            self._written = step
+        self._written = _gap(self._write_gaps, self._written, step)
         self._seen += 1
         if self._seen > 1:  # the first: creating files, first use of every code path
             self._persists.append((cpu_s, wall_s))

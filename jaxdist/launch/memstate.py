@@ -130,6 +130,10 @@ class _Copy(NamedTuple):
     host: list
     data: dict | None
 
+    def arrays(self) -> list:
+        """The copy's arrays in flight to host memory (what to wait for)."""
+        return [d for x in self.host if isinstance(x, _Blocks) for d in x.data]
+
 
 class StateTier:
     """Keeps recent steps' state in host memory; restores it after a restart.
@@ -344,7 +348,7 @@ class StateTier:
                 if not self._copies:
                     return
                 copy, force = self._copies[0]
-            arrays = [d for x in copy.host if isinstance(x, _Blocks) for d in x.data]
+            arrays = copy.arrays()
             try:
                 waited = not all(a.is_ready() for a in arrays)
                 jax.block_until_ready(arrays)
@@ -352,21 +356,24 @@ class StateTier:
                 # The step it copies failed (a peer died inside its collective, say): the copy
                 # is dropped; the slots keep the newest good snapshot.
                 logger.debug("the copy of step %d failed: %s", copy.step, e)
-                with self._cond:
-                    if self._copies and self._copies[0][0] is copy:
-                        self._copies.popleft()
-                    self._cond.notify_all()
+                self._take(copy, landed=False)
                 continue
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
-            with self._cond:
-                if self._copies and self._copies[0][0] is copy:
-                    self._copies.popleft()
-                self._ready = copy
-                self._cond.notify_all()
+            self._take(copy, landed=True)
             last = self.last_written
             if force or last is None or copy.step - last >= self._cadence.k:
                 self._persist(copy)
+
+    def _take(self, copy: _Copy, *, landed: bool) -> None:
+        """The writer is done waiting for ``copy``: out of the copies in flight, and the newest
+        done one if it landed."""
+        with self._cond:
+            if self._copies and self._copies[0][0] is copy:
+                self._copies.popleft()
+            if landed:
+                self._ready = copy
+            self._cond.notify_all()
 
     def _persist(self, copy: _Copy) -> None:
         """Writes ``copy`` to a slot (unless a newer one is there already)."""
@@ -430,9 +437,8 @@ class StateTier:
             for copy, _ in self._copies:
                 if newest is not None and copy.step <= newest.step:
                     continue
-                arrays = [d for x in copy.host if isinstance(x, _Blocks) for d in x.data]
                 try:
-                    landed = all(a.is_ready() for a in arrays)
+                    landed = all(a.is_ready() for a in copy.arrays())
                 except Exception:  # noqa: BLE001 - a failed copy is not a newer one
                     landed = False
                 if landed:
