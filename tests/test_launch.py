@@ -201,3 +201,50 @@ def test_daemons_a_rank_started_in_their_own_session_end_with_the_job(tmp_path, 
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="stacks are asked for with SIGUSR1")
+def test_the_stacks_header_comes_before_every_stack_line(tmp_path, monkeypatch):
+    # before: the launcher signalled the ranks and only then said "their Python stacks follow";
+    # on a loaded machine (CI) a rank's stack reached the output first, above its header
+    from jaxdist.launch import group, hang
+
+    lines, ready = [], threading.Event()
+
+    def emit(stream, data):
+        lines.append(data.decode())
+        if b"waiting to be asked" in data:
+            ready.set()
+
+    script = tmp_path / "registered.py"
+    script.write_text("import sys, time\n"
+                      "from jaxdist.launch import heartbeat\n"
+                      "heartbeat.enable_stack_dumps(sys.argv[1], 0)\n"
+                      "print('waiting to be asked', flush=True)\n"
+                      "time.sleep(60)\n")
+    launcher = group._Launcher([str(script), str(tmp_path)], group._Options(num_processes=1),
+                               emit, _env(), None)
+    launcher._state_dir = str(tmp_path)
+    readers = []
+    proc = launcher.spawn("0", _env(), readers)
+    real_kill = os.kill
+
+    def kill_then_fall_behind(pid, sig):
+        # The launcher's thread loses the CPU right after the signal, until the stack is out.
+        real_kill(pid, sig)
+        deadline = time.monotonic() + 20
+        while not any("[0]   File" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        assert ready.wait(60), "".join(lines)
+        monkeypatch.setattr(hang.os, "kill", kill_then_fall_behind)
+        launcher.dump_stacks({0: proc.pid})
+        monkeypatch.undo()
+        text = "".join(lines)
+        assert re.search(r"\[0\]   File \".*registered\.py\", line 5 in <module>", text), text
+        header = text.index("rank(s) [0]: their Python stacks follow")
+        assert header < text.index("[0] Current thread"), text
+    finally:
+        proc.kill()
+        proc.wait()

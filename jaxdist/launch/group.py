@@ -28,7 +28,7 @@ from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch import _placement
 from jaxdist.launch.cluster import ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_PS_TOKEN
 from jaxdist.launch.cluster import ENV_RESTART_COUNT, ClusterSpec
-from jaxdist.launch.hang import HangDetector, request_stacks, waited_for
+from jaxdist.launch.hang import HangDetector, request_stacks, stack_ranks, waited_for
 from jaxdist.launch.hang import process_state as hang_process_state
 from jaxdist.launch.heartbeat import ENV_STATE_DIR, heartbeat_path
 
@@ -383,9 +383,11 @@ class _Launcher:
 
     def dump_stacks(self, ranks: Mapping[int, int]) -> None:
         """Has the ``{rank: pid}`` processes print their Python stacks, and waits for the lines."""
-        asked = request_stacks(self._state_dir or "/nonexistent", ranks)
-        if asked:
-            self.say(f"rank(s) {asked}: their Python stacks follow (all threads)")
+        ready = stack_ranks(self._state_dir or "/nonexistent", ranks)
+        if ready:
+            # Said first: a rank's stack can reach the output before this thread runs again.
+            self.say(f"rank(s) {list(ready)}: their Python stacks follow (all threads)")
+            request_stacks(ready)
             time.sleep(_STACKS_S)
 
     def spawn(self, label: str, env: Mapping[str, str],

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
-import time
-from collections.abc import Sequence
-
 import os
 import signal
+import statistics
+import time
+from collections.abc import Mapping, Sequence
 
 from jaxdist.launch.heartbeat import Beat, read_heartbeat, stack_pid
 from jaxdist.launch.reaper import stat_fields
@@ -187,13 +186,18 @@ def waited_for(dispatched: dict[int, int | None]) -> str:
             f"collective {it} {'has' if len(behind) == 1 else 'have'} not entered)")
 
 
-def request_stacks(directory: str, ranks: dict[int, int]) -> list[int]:
-    """Asks each of ``ranks`` (``{rank: pid}``) that registered for it to print its Python stacks
-    to its stderr (``SIGUSR1``; see ``jaxdist.launch.heartbeat``); returns the ranks asked."""
+def stack_ranks(directory: str, ranks: Mapping[int, int]) -> dict[int, int]:
+    """Those of ``ranks`` (``{rank: pid}``) that print their Python stacks on ``SIGUSR1`` (see
+    ``jaxdist.launch.heartbeat``): to any other process the signal would be fatal."""
+    return {rank: pid for rank, pid in sorted(ranks.items()) if stack_pid(directory, rank) == pid}
+
+
+def request_stacks(ranks: Mapping[int, int]) -> list[int]:
+    """Sends ``SIGUSR1`` to each of ``ranks`` (``{rank: pid}``, from ``stack_ranks``); returns the
+    ranks it reached. Their stacks reach their stderr at once: whatever introduces them must be
+    said before this is called."""
     asked = []
     for rank, pid in sorted(ranks.items()):
-        if stack_pid(directory, rank) != pid:
-            continue  # no handler: SIGUSR1 would end the process
         try:
             os.kill(pid, signal.SIGUSR1)
             asked.append(rank)
