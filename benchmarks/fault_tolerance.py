@@ -36,6 +36,11 @@ devices). Then rank 1 is SIGKILLed mid-run and the steps computed again are set 
 bound the launcher announced. ``--quick`` runs the same plumbing on a small model in seconds
 (CI: ``tests/test_benchmarks.py``).
 
+``--overhead-only`` measures the tier on tiny steps (1.5 MB of state, about 10 ms a step, where
+a copy's fixed costs weigh most): ``fit`` off and on in turn in one process, 12 pairs, the median
+of the pairs' ratios (on this 2-core machine one process differs from the next by more than the
+tier costs; the scenario run ends with the same figure).
+
 ``--worker`` and ``--tier-worker`` are the training scripts themselves.
 """
 
@@ -200,43 +205,50 @@ _OVERHEAD = """
 import os, sys, tempfile, time
 import jax, jaxdist
 from jaxdist import models
+from jaxdist.launch import heartbeat
 (x, y), _ = jaxdist.datasets.digits()
 strategy = jaxdist.MirroredStrategy()
 data = strategy.distribute((x, y), 96, shuffle=True, seed=5)
 step = strategy.step(models.classifier_train_step)
-def run(epochs):
-    if os.environ.get("JAXDIST_STATE_DIR"):  # a tier of its own: never resume the warm-up run
-        os.environ["JAXDIST_STATE_DIR"] = tempfile.mkdtemp(dir=os.environ["JAXDIST_STATE_DIR"])
+shm = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+def run(epochs, on):
+    # on: what `jaxdist launch` sets up (a state directory: the tier and the heartbeat), a tier
+    # of its own each run (never resuming another run's snapshot); off: neither (tier off)
+    if on:
+        os.environ["JAXDIST_STATE_DIR"] = tempfile.mkdtemp(dir=shm)
+    else:
+        os.environ.pop("JAXDIST_STATE_DIR", None)
     state = models.create_train_state(models.MLP(), x[:1], seed=1)
     backup = jaxdist.callbacks.BackupAndRestore(tempfile.mkdtemp(), every_n_steps=10**6)
     t = time.perf_counter()
     h = jaxdist.fit(step, state, data, epochs=epochs, callbacks=[backup], verbose=0)
     jax.block_until_ready(h.state)
-    return time.perf_counter() - t
-run(1)  # compile
-steps = len(data) * int(sys.argv[1])
-print(steps / run(int(sys.argv[1])))
+    rate = len(data) * epochs / (time.perf_counter() - t)
+    if heartbeat._current is not None:  # the next run starts without one, or with its own
+        heartbeat._current.close()
+        heartbeat._current = None
+    return rate
+run(1, False); run(1, True)  # compile; first use of every path
+for _ in range(int(sys.argv[2])):
+    print(run(int(sys.argv[1]), False), run(int(sys.argv[1]), True), flush=True)
 """
 
 
-def overhead(repeats: int = 5, epochs: int = 6) -> tuple[float, float]:
-    """Median steps/s of ``fit`` + ``BackupAndRestore`` with the memory tier off and on (one
-    process, 2 devices, the README MLP, batch 96), runs interleaved."""
+def overhead(repeats: int = 12, epochs: int = 10) -> tuple[float, float, float]:
+    """Steps/s of ``fit`` + ``BackupAndRestore`` with the memory tier off and on (one process,
+    2 devices, the README MLP, batch 96): runs of ``epochs`` epochs, off and on in turn in one
+    process (separate processes differ by more than the tier costs on this machine), ``repeats``
+    pairs. Returns the medians of off and on and the median of the pairs' ratios."""
     import statistics
     import subprocess as sp
 
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
-        for on in (False, True):
-            env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="2")
-            env.pop("JAXDIST_STATE_DIR", None)
-            if on:
-                env["JAXDIST_STATE_DIR"] = tempfile.mkdtemp(dir="/dev/shm" if
-                                                            os.path.isdir("/dev/shm") else None)
-            out = sp.run([sys.executable, "-c", _OVERHEAD, str(epochs)], env=env,
-                         capture_output=True, text=True, check=True, timeout=600).stdout
-            rates[on].append(float(out.split()[-1]))
-    return statistics.median(rates[False]), statistics.median(rates[True])
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="2")
+    env.pop("JAXDIST_STATE_DIR", None)
+    out = sp.run([sys.executable, "-c", _OVERHEAD, str(epochs), str(repeats)], env=env,
+                 capture_output=True, text=True, check=True, timeout=1200).stdout
+    pairs = [tuple(map(float, line.split())) for line in out.splitlines() if line.strip()]
+    return (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
+            statistics.median(p[1] / p[0] for p in pairs))
 
 
 def _free_port() -> int:
@@ -367,8 +379,9 @@ def main():
                         + table + "\n")
         return
     if args.overhead_only:
-        off, on = overhead()
-        print(f"fit steps/s, memory tier off {off:.1f}, on {on:.1f} ({on / off - 1:+.1%})")
+        off, on, ratio = overhead()
+        print(f"fit steps/s, memory tier off {off:.1f}, on {on:.1f}; on/off per pair, median "
+              f"{ratio:.3f} ({ratio - 1:+.1%})")
         return
 
     tmp = tempfile.mkdtemp(prefix="jaxdist-ft-bench-")
@@ -456,11 +469,11 @@ def main():
         lines.append(f"| {name} | {r['lost']} | {r['resumed']} | {r['recovery']:.1f} | "
                      f"{r['diff']:.1e} |")
     table = "\n".join(lines)
-    off, on = overhead()
-    table += (f"\n\nCost of the in-memory tier (one process, 2 devices, same MLP, batch 96, "
-              f"`fit` + `BackupAndRestore`, runs of 6 epochs, each with a tier of its own, median "
-              f"of 5 interleaved runs): "
-              f"{off:.1f} steps/s without, {on:.1f} with ({on / off - 1:+.1%}).")
+    off, on, ratio = overhead()
+    table += (f"\n\nCost of the in-memory tier on tiny steps (one process, 2 devices, same MLP, "
+              f"batch 96, `fit` + `BackupAndRestore`, 12 pairs of 10-epoch runs off and on in "
+              f"turn in one process, each with a tier of its own): {off:.1f} steps/s without, "
+              f"{on:.1f} with; on/off per pair, median {ratio:.3f} ({ratio - 1:+.1%}).")
     print(table)
     if args.results:
         with open(args.results, "w") as f:

@@ -23,8 +23,9 @@ class _Cadence:
     docstring).
 
     A host copy costs the loop its dispatch (measured in :meth:`StateTier.save`) and, where the
-    devices are the host's own cores (XLA:CPU), the memory copy itself (estimated from the bytes
-    and the copy speed the writer measures). A persist costs, on XLA:CPU, the writer thread's CPU
+    devices are the host's own cores (XLA:CPU), its launch on the devices (about the dispatch
+    again) and the memory copy itself (estimated from the bytes and the copy speed the writer
+    measures). A persist costs, on XLA:CPU, the writer thread's CPU
     time (``time.thread_time``: steady however busy the machine is); elsewhere it runs beside the
     devices. The first persist (first-use setup) is not counted.
     """
@@ -33,6 +34,9 @@ class _Cadence:
         self.every, self.budget, self.host_is_device = every, budget, host_is_device
         self.nbytes = nbytes
         self._steps: collections.deque = collections.deque(maxlen=64)  # seconds per step
+        # (time, step) of the loop's calls: its pace once it waits on the devices (a bound on
+        # the steps in flight), until copies that had to be waited for time the steps.
+        self._calls: collections.deque = collections.deque(maxlen=33)
         self._last_call: tuple[float, int] | None = None
         self._loops: collections.deque = collections.deque(maxlen=9)
         self._persists: collections.deque = collections.deque(maxlen=5)  # (cpu s, wall s)
@@ -56,10 +60,22 @@ class _Cadence:
             self._steps.append((now - self._last_call[0]) / (step - self._last_call[1]))
         self._last_call = (now, step)
 
+    def on_call(self, step: int) -> None:
+        """The loop offers ``step`` (every step; a copy is taken or not)."""
+        self._calls.append((time.perf_counter(), step))
+
     def step_s(self) -> float | None:
-        """The median time per step (the first two intervals left out: compilation)."""
+        """The median time per step as the devices finish them (the first two intervals left
+        out: compilation), else, while no copy has been waited for (the writer is behind, or
+        every copy had landed), the loop's pace over its last 32 steps (the first two calls
+        left out), else None."""
         values = list(self._steps)[2:] if len(self._steps) > 4 else []
-        return statistics.median(values) if values else None
+        if values:
+            return statistics.median(values)
+        calls = list(self._calls)[2:] if len(self._calls) > 10 else []
+        if calls and calls[-1][1] > calls[0][1]:
+            return (calls[-1][0] - calls[0][0]) / (calls[-1][1] - calls[0][1])
+        return None
 
     def on_copy(self, loop_s: float, step: int | None = None) -> None:
         self._loops.append(loop_s)
@@ -81,7 +97,9 @@ class _Cadence:
         wall = statistics.median(p[1] for p in self._persists)
         # The writer reads and writes the bytes once and sums them: a copy moves them once.
         copy = self.nbytes / max(self.nbytes / max(wall, 1e-6) * 2, 1e9)
-        copy_cost = loop + (copy if self.host_is_device else 0.0)
+        # On XLA:CPU a copy's launch also costs the devices (the same cores) about what its
+        # dispatch costs the loop: counted twice. It is what tiny steps pay most for.
+        copy_cost = loop + (loop + copy if self.host_is_device else 0.0)
         persist_cost = cpu if self.host_is_device else 0.0
         writes = max(1, math.ceil(wall / step))
         lands = max(1, math.ceil(copy / step))  # steps a copy takes to be ready after its step
@@ -104,6 +122,6 @@ class _Cadence:
         if not self.parts or self.step_s() is None:
             return None
         p = self.parts
-        copy = p["loop_s"] + (p["copy_s"] if self.host_is_device else 0.0)
+        copy = p["loop_s"] + (p["loop_s"] + p["copy_s"] if self.host_is_device else 0.0)
         persist = p["persist_cpu_s"] if self.host_is_device else 0.0
         return copy / self.copy_every + persist / self.k

@@ -238,6 +238,7 @@ class StateTier:
         if not self._checked and not self._first_save(state):
             return False
         cadence = self._cadence
+        cadence.on_call(int(step))
         if not force and self._last_copied is not None and (
                 step - self._last_copied < cadence.copy_every):
             return False
