@@ -37,7 +37,7 @@ class _Cadence:
         # (time, step) of the loop's calls: its pace once it waits on the devices (a bound on
         # the steps in flight), until copies that had to be waited for time the steps.
         self._calls: collections.deque = collections.deque(maxlen=33)
-        self._last_call: tuple[float, int] | None = None
+        self._last_done: tuple[float, int] | None = None
         self._loops: collections.deque = collections.deque(maxlen=9)
         self._persists: collections.deque = collections.deque(maxlen=5)  # (cpu s, wall s)
         # Steps between the copies taken and between the writes: more than asked for when a copy
@@ -56,9 +56,9 @@ class _Cadence:
         """The copy of ``step`` is done, so the step is: steps are timed as the devices finish
         them (the loop's own calls come in bursts while it runs ahead of the devices)."""
         now = time.perf_counter()
-        if self._last_call is not None and step > self._last_call[1]:
-            self._steps.append((now - self._last_call[0]) / (step - self._last_call[1]))
-        self._last_call = (now, step)
+        if self._last_done is not None and step > self._last_done[1]:
+            self._steps.append((now - self._last_done[0]) / (step - self._last_done[1]))
+        self._last_done = (now, step)
 
     def on_call(self, step: int) -> None:
         """The loop offers ``step`` (every step; a copy is taken or not)."""
@@ -97,13 +97,10 @@ class _Cadence:
         wall = statistics.median(p[1] for p in self._persists)
         # The writer reads and writes the bytes once and sums them: a copy moves them once.
         copy = self.nbytes / max(self.nbytes / max(wall, 1e-6) * 2, 1e9)
-        # On XLA:CPU a copy's launch also costs the devices (the same cores) about what its
-        # dispatch costs the loop: counted twice. It is what tiny steps pay most for.
-        copy_cost = loop + (loop + copy if self.host_is_device else 0.0)
-        persist_cost = cpu if self.host_is_device else 0.0
+        self.parts = {"loop_s": loop, "copy_s": copy, "persist_cpu_s": cpu, "persist_s": wall}
+        copy_cost, persist_cost = self._charges()
         writes = max(1, math.ceil(wall / step))
         lands = max(1, math.ceil(copy / step))  # steps a copy takes to be ready after its step
-        self.parts = {"loop_s": loop, "copy_s": copy, "persist_cpu_s": cpu, "persist_s": wall}
         if self.every is not None:
             self.copy_every = self.k = self.every
         else:
@@ -121,7 +118,14 @@ class _Cadence:
         """The tier's time per step taken from training (seconds), as measured."""
         if not self.parts or self.step_s() is None:
             return None
-        p = self.parts
-        copy = p["loop_s"] + (p["loop_s"] + p["copy_s"] if self.host_is_device else 0.0)
-        persist = p["persist_cpu_s"] if self.host_is_device else 0.0
+        copy, persist = self._charges()
         return copy / self.copy_every + persist / self.k
+
+    def _charges(self) -> tuple[float, float]:
+        """What one copy and one write take from training (seconds), from :attr:`parts`."""
+        p = self.parts
+        if not self.host_is_device:
+            return p["loop_s"], 0.0  # the copy and the write run beside the devices
+        # On XLA:CPU a copy's launch also costs the devices (the same cores) about what its
+        # dispatch costs the loop: counted twice. It is what tiny steps pay most for.
+        return 2 * p["loop_s"] + p["copy_s"], p["persist_cpu_s"]

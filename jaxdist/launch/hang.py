@@ -192,15 +192,12 @@ def stack_ranks(directory: str, ranks: Mapping[int, int]) -> dict[int, int]:
     return {rank: pid for rank, pid in sorted(ranks.items()) if stack_pid(directory, rank) == pid}
 
 
-def request_stacks(ranks: Mapping[int, int]) -> list[int]:
-    """Sends ``SIGUSR1`` to each of ``ranks`` (``{rank: pid}``, from ``stack_ranks``); returns the
-    ranks it reached. Their stacks reach their stderr at once: whatever introduces them must be
-    said before this is called."""
-    asked = []
-    for rank, pid in sorted(ranks.items()):
+def request_stacks(ranks: Mapping[int, int]) -> None:
+    """Sends ``SIGUSR1`` to each of ``ranks`` (``{rank: pid}``, from ``stack_ranks``). Their
+    stacks reach their stderr at once: whatever introduces them must be said before this is
+    called."""
+    for pid in ranks.values():
         try:
             os.kill(pid, signal.SIGUSR1)
-            asked.append(rank)
         except (ProcessLookupError, PermissionError):
-            pass
-    return asked
+            pass  # gone already
