@@ -248,3 +248,29 @@ def test_the_stacks_header_comes_before_every_stack_line(tmp_path, monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_error_that_comes_back_is_the_same_fault_whichever_rank_raised_it_first():
+    # before: the signature held the rank, so when every rank raised the same error and another
+    # rank happened to exit first, the launcher restarted once more (CI: restarts == 2, not 1)
+    import collections
+
+    from jaxdist.launch import group
+
+    launcher = group._Launcher(["train.py"], group._Options(num_processes=2),
+                               lambda stream, data: None, _env(), None)
+    for rank in ("0", "1"):
+        launcher._tails[rank] = collections.deque(["ValueError: the data from step 3 on is bad"])
+    launcher.record_failure("rank 1 exited with code 1", {0: 5, 1: 5}, ["1"])
+    launcher.record_failure("rank 0 exited with code 1", {0: 5, 1: 5}, ["0"])
+    assert launcher.repeated("rank 0 exited with code 1")
+    # another error is another fault; a signal is the same only at the same rank and step
+    launcher._tails["0"] = collections.deque(["KeyError: 'labels'"])
+    launcher.record_failure("rank 0 exited with code 1", {0: 5, 1: 5}, ["0"])
+    assert not launcher.repeated("rank 0 exited with code 1")
+    launcher._tails.clear()
+    launcher.record_failure("rank 1 was killed by SIGKILL (9)", {0: 5, 1: 5}, ["1"])
+    launcher.record_failure("rank 0 was killed by SIGKILL (9)", {0: 5, 1: 5}, ["0"])
+    assert not launcher.repeated("rank 0 was killed by SIGKILL (9)")
+    launcher.record_failure("rank 0 was killed by SIGKILL (9)", {0: 5, 1: 5}, ["0"])
+    assert launcher.repeated("rank 0 was killed by SIGKILL (9)")

@@ -298,11 +298,14 @@ class _Launcher:
         errors = tuple(self.last_error(r) for r in ranks)
         known = [v for v in steps.values() if v is not None]
         step = max(known, default=None)
-        # A process that raised the same error is the same fault wherever it struck; one killed
-        # (by a signal, or hung) is the same only at the same step (an OOM at one batch, say).
+        # A process that raised the same error is the same fault wherever it struck, whichever
+        # rank raised it first; one killed (by a signal, or hung) is the same only at the same
+        # step (an OOM at one batch, say).
+        what = re.sub(r"pid \d+|[\d.]+ s\b", "", description)
+        if any(errors):
+            what = re.sub(r"\brank \d+", "rank", what)
         where = None if any(errors) else step
-        self._failures.append((re.sub(r"pid \d+|[\d.]+ s\b", "", description), errors,
-                               where, description, step))
+        self._failures.append((what, errors, where, description, step))
 
     def repeated(self, failure: str) -> bool:
         """True (after saying so) when the last two failures were the same: retrying a fault
