@@ -23,7 +23,6 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before the backend starts
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
@@ -48,7 +47,8 @@ def _reducer(mesh, implementation, iters, pack_bytes=None):
 
     def per_replica(tree):
         tree = jax.tree.map(lambda x: x[0], tree)
-        body = lambda _, t: reduce_tree(t, "mean", axes=AXES, implementation=implementation, pack_bytes=pack_bytes)  # noqa: E731
+        def body(_, t):
+            return reduce_tree(t, "mean", axes=AXES, implementation=implementation, pack_bytes=pack_bytes)
         tree = lax.fori_loop(0, iters, body, tree)
         return jax.tree.map(lambda x: x[None], tree)
 
@@ -90,7 +90,8 @@ def _fmt_bytes(b: float) -> str:
 
 def bench_sizes(mesh, sizes: list[int], reps: int) -> None:
     n = mesh.size
-    print(f"\nAll-reduce of one float32 message of S bytes per replica, n={n} replicas, mesh {MESH_SHAPE} {AXES}")
+    print(f"\nAll-reduce of one float32 message of S bytes per replica, n={n} replicas, "
+          f"mesh {MESH_SHAPE} {AXES}")
     print("time = median per all-reduce; busbw = 2(n-1)/n*S/t; ratio = busbw / xla busbw (same invocation)")
     header = f"{'S':>10} " + " ".join(f"{impl:>26}" for impl in IMPLEMENTATIONS)
     print(header)
@@ -118,7 +119,8 @@ def bench_packing(mesh, num_leaves: int, reps: int, pack_bytes: int) -> None:
         f"\npack_bytes: a pytree of {num_leaves} small float32 leaves ({_fmt_bytes(total)} per replica), "
         f"one all-reduce per call, pack_bytes={pack_bytes} vs None"
     )
-    print(f"{'impl':>13} {'collectives (None -> packed)':>44} {'time None':>11} {'time packed':>12} {'speed-up':>9}")
+    print(f"{'impl':>13} {'collectives (None -> packed)':>44} {'time None':>11} {'time packed':>12} "
+          f"{'speed-up':>9}")
     for impl in IMPLEMENTATIONS:
         fns = {pb: _reducer(mesh, impl, 1, pack_bytes=pb) for pb in (None, pack_bytes)}
         counts = {pb: _count_collectives(fn.lower(x).compile().as_text()) for pb, fn in fns.items()}
@@ -132,7 +134,8 @@ def bench_packing(mesh, num_leaves: int, reps: int, pack_bytes: int) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a check of the plumbing in seconds: every implementation and both "
                              "sections at tiny sizes (4 to 64 KiB, 16 leaves, 3 repetitions)")
@@ -146,7 +149,8 @@ def main(argv=None) -> None:
         args = parser.parse_args(argv)
     sizes = [4**k for k in range(6, 14) if 4**k <= args.max_bytes]  # 4 KiB .. 64 MiB
     mesh = _mesh()
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} CPU cores")
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"{os.cpu_count()} CPU cores")
     start = time.perf_counter()
     bench_sizes(mesh, sizes, args.reps)
     bench_packing(mesh, num_leaves=args.leaves, reps=args.reps, pack_bytes=2**20)

@@ -59,7 +59,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in managers}
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     try:
-        for mode, mgr in managers.items():  # warm-up: first saves pay one-off setup costs
+        for mgr in managers.values():  # warm-up: first saves pay one-off setup costs
             mgr.save(0, state)
             mgr.wait_until_finished()
         for mgr in managers.values():  # warm-up of the restore path too

@@ -4,18 +4,19 @@ All run the same MLP step (784-256-128-10, Adam, global batch 512) on the same d
 batches and the same mesh; compilation is excluded; repetitions are interleaved, and the order of
 the three rotates from one repetition to the next, so machine noise and warm caches hit all alike.
 The hand-written loop syncs every 8 steps (XLA:CPU deadlocks with too many queued collectives);
-jaxdist's loops are plain `for` loops, as users write them, relying on the library's own bound.
-The per-replica loop is `state, m = strategy.run(step, args=(state, batch))`, the state staying
+jaxdist's loops are plain `for` loops, as users write them, relying on the library's own bound. The
+per-replica loop is `state, m = strategy.run(step, args=(state, batch))`, the state staying
 per-replica between steps and the loss all-reduced inside the step; `readme` is the README's loop
-exactly: the loss left per replica and `strategy.reduce("sum", loss)` after every `run`. `masked` is the global view of the step that `distribute`
-batches need (`compute_average_loss` over `batch.mask`) on pre-placed batches: the step's own cost,
-without the input pipeline. The `distribute` loop and `fit` take their batches from
-`strategy.distribute` (host arrays -> device; for in-memory arrays the batches are made on the loop's
-thread by default, `distribute_thread` makes them on a prefetch thread) instead of pre-placed ones; `fit`
-also reads metrics and runs its callbacks: they are what users run. `fit_k` is `fit` with
-`steps_per_execution=K` (`--spe`, default 9): K steps per compiled call. `hand_fed` is the hand-written
-step fed the same batches from host arrays with `jax.device_put` each step: the input cost a
-hand-written loop pays too; the fed loops are also printed against it.
+exactly: the loss left per replica and `strategy.reduce("sum", loss)` after every `run`. `masked` is
+the global view of the step that `distribute` batches need (`compute_average_loss` over
+`batch.mask`) on pre-placed batches: the step's own cost, without the input pipeline. The
+`distribute` loop and `fit` take their batches from `strategy.distribute` (host arrays -> device;
+for in-memory arrays the batches are made on the loop's thread by default, `distribute_thread` makes
+them on a prefetch thread) instead of pre-placed ones; `fit` also reads metrics and runs its
+callbacks: they are what users run. `fit_k` is `fit` with `steps_per_execution=K` (`--spe`, default
+9): K steps per compiled call. `hand_fed` is the hand-written step fed the same batches from host
+arrays with `jax.device_put` each step: the input cost a hand-written loop pays too; the fed loops
+are also printed against it.
 
 `--model tiny` is the dispatch-bound case: an MLP 64-32-10 on the digits, batch 32, 1 device by
 default, where the host's work per step decides the speed (a small model on a fast accelerator):

@@ -30,8 +30,8 @@ import json
 import os
 import secrets
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 
@@ -39,11 +39,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxdist.ps import optimizer, wire  # noqa: E402
 from jaxdist.launch import free_ports  # noqa: E402
+from jaxdist.ps import optimizer, wire  # noqa: E402
 from jaxdist.ps.server import ParameterServer, ServerConfig  # noqa: E402
-from jaxdist.ps.transport import (Channel, GrpcClient, LocalClient, TLSConfig,  # noqa: E402
-                                  serve)
+from jaxdist.ps.transport import Channel, GrpcClient, LocalClient, TLSConfig, serve  # noqa: E402
 
 TOKEN = os.environ.setdefault("JAXDIST_PS_TOKEN", secrets.token_urlsafe(16))
 
@@ -256,11 +255,8 @@ def main(argv=None) -> int:
         table = {}
         for kind, compute_s in (("transport", 0.0), ("compute", a.compute_ms / 1e3)):
             for n in counts:
-                for name, fn in (("grpc", lambda: run_grpc(params, n, a.seconds, compute_s,
-                                                           addr)),
-                                 ("in-process", lambda: run_inprocess(params, n, a.seconds,
-                                                                      compute_s))):
-                    ops, ups, gbs = table[name, kind, n] = fn()
+                for name, fn, extra in (("grpc", run_grpc, (addr,)), ("in-process", run_inprocess, ())):
+                    ops, ups, gbs = table[name, kind, n] = fn(params, n, a.seconds, compute_s, *extra)
                     print(f"{name:<11} {kind:<9} {n:>7} {ops:>9.1f} {ups:>10.1f} {gbs:>11.3f}",
                           flush=True)
         if 1 in counts and 2 in counts:

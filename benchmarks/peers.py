@@ -575,7 +575,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "peers.md"), "w") as f:
-            f.write(report + f"\n\n![ratios](peers.png)\n")
+            f.write(report + "\n\n![ratios](peers.png)\n")
         print(f"wrote {os.path.join(args.out, 'peers.md')}")
     return 0
 

@@ -21,6 +21,7 @@ sys.path.insert(0, DOCS)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 import apiref  # noqa: E402
+
 import jaxdist  # noqa: E402
 
 project = "jaxdist"

@@ -269,9 +269,10 @@ def size(*, example: str = "100MB") -> Callable[[str], float]:
 
     >>> size()("16GiB") == 16 * 2**30
     True
-    >>> size()("100XB")
+    >>> size()("100XB")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown unit 'XB' in '100XB'; expected one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 100MB, 16GiB or 1e8)
+    argparse.ArgumentTypeError: unknown unit 'XB' in '100XB'; expected one of B, KB, MB, GB, TB,
+    KiB, MiB, GiB, TiB (e.g. 100MB, 16GiB or 1e8)
     """
     return _positive_with_unit(parse_bytes, "a size", example)
 

@@ -14,8 +14,14 @@ from flax.training import train_state
 
 import jaxdist
 from jaxdist import models
-from jaxdist.callbacks import (Callback, EarlyStopping, LearningRateScheduler, TensorBoard,
-                               TrainInfo, get_hyperparam)
+from jaxdist.callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateScheduler,
+    TensorBoard,
+    TrainInfo,
+    get_hyperparam,
+)
 
 STEPS = 2  # steps per epoch: enough to move the parameters, cheap on 2 cores
 

@@ -11,8 +11,7 @@ import pytest
 
 import jaxdist
 from jaxdist import models
-from jaxdist.callbacks import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps, ModelCheckpoint,
-                               SaveCandidate)
+from jaxdist.callbacks import AnyOf, BestMetric, EveryNEpochs, EveryNSteps, ModelCheckpoint, SaveCandidate
 from jaxdist.checkpoint import CheckpointManager
 
 STEPS_PER_EPOCH = 12  # 1438 rows / 128

@@ -7,12 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax.numpy as jnp
-import pytest
 
-from jaxdist.checkpoint import CheckpointError, CheckpointManager
+from jaxdist.checkpoint import CheckpointManager
 from tests.conftest import REPO, run_python
 
 WRITER = r"""

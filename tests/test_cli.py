@@ -7,7 +7,6 @@ import os
 import pytest
 
 import jaxdist
-
 from tests.conftest import REPO, run_python
 
 
@@ -133,7 +132,8 @@ def test_train_multi_worker_under_launch_is_one_job():
                        "--batch-size", "64", "--quiet"], timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert f"[0] jaxdist {jaxdist.__version__}: MultiWorkerMirroredStrategy over 4 cpu device(s) in 2 process(es)" in out
+    assert (f"[0] jaxdist {jaxdist.__version__}: MultiWorkerMirroredStrategy over 4 cpu device(s) "
+            "in 2 process(es)") in out
     assert "[0] test accuracy:" in out and "[1] test accuracy:" not in out
 
 

@@ -10,10 +10,9 @@ import sys
 import pytest
 
 import jaxdist
-from jaxdist.launch import cluster
-from jaxdist.launch import launcher as launch
-from jaxdist.launch import runtime
 from jaxdist.cluster import ClusterSpec
+from jaxdist.launch import cluster, runtime
+from jaxdist.launch import launcher as launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "_mp_scripts"
@@ -192,6 +191,7 @@ def test_runtime_names_stay_reachable_where_the_docs_name_them():
     # jaxdist.cluster.*, and never imports the runtime (no lazy __getattr__ cycle)
     import subprocess
     import sys
+
     from jaxdist.cluster import BarrierTimeoutError, CoordinatorTimeoutError
     assert (BarrierTimeoutError, CoordinatorTimeoutError) == (
         runtime.BarrierTimeoutError, runtime.CoordinatorTimeoutError)

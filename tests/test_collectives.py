@@ -83,7 +83,8 @@ def _reduce_all_variants(implementation, mesh_shape, names):
 
 
 def _check(actual, expected, like, n, *, compressed=False):
-    for a, e, x in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), jax.tree.leaves(like), strict=True):
+    for a, e, x in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), jax.tree.leaves(like),
+                       strict=True):
         x = np.asarray(x)
         assert a.dtype == x.dtype and a.shape == (n,) + x.shape, (a.dtype, a.shape, x.dtype, x.shape)
         for row in a[1:]:  # every replica holds the same bits
@@ -119,7 +120,8 @@ def test_matches_numpy_and_psum(implementation, mesh_shape, names):
     _check(out["mean"], means, floats, n)
     _check(out["sum_bf16"], sums, base, n, compressed=True)
     _check(out["mean_packed_bf16"], means, floats, n, compressed=True)
-    for got, psum in zip(jax.tree.leaves(out["sum"]["i32"]), jax.tree.leaves(out["psum"]["i32"]), strict=True):
+    for got, psum in zip(jax.tree.leaves(out["sum"]["i32"]), jax.tree.leaves(out["psum"]["i32"]),
+                         strict=True):
         np.testing.assert_array_equal(got, psum)
 
 
@@ -136,7 +138,8 @@ def test_packing_cuts_collectives_and_keeps_values(implementation):
             out = reduce_tree(t, "sum", axes=names, implementation=implementation, pack_bytes=pack_bytes)
             return [x[None] for x in out]
 
-        return jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(names), check_vma=False))
+        return jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(names),
+                                     check_vma=False))
 
     results, emitted, compiled = {}, {}, {}
     for pack_bytes in (None, 4096):
@@ -169,7 +172,8 @@ _X = {"w": jnp.ones(3)}
     ("kwargs", "error", "match"),
     [
         ({"op": "max"}, ValueError, r"op must be one of \('sum', 'mean'\), got 'max'"),
-        ({"implementation": "nccl"}, ValueError, r"implementation must be one of \('xla', 'ring'.*got 'nccl'"),
+        ({"implementation": "nccl"}, ValueError,
+         r"implementation must be one of \('xla', 'ring'.*got 'nccl'"),
         ({"compress": "fp8"}, ValueError, r"compress must be one of \('bf16',\), got 'fp8'"),
         ({"pack_bytes": 0}, ValueError, r"pack_bytes must be a positive int .* got 0"),
         ({"pack_bytes": 1.5}, ValueError, r"pack_bytes must be a positive int .* got 1.5"),
@@ -178,7 +182,8 @@ _X = {"w": jnp.ones(3)}
         ({"axes": ()}, TypeError, r"axes must be a non-empty tuple"),
         ({"axes": ("data", "data")}, TypeError, r"axes must be distinct mesh axis names"),
         ({"axes": ("batch",)}, ValueError, r"must run inside jax.shard_map over a mesh that has these axes"),
-        ({"implementation": "hierarchical"}, ValueError, r"needs axes=\(host_axis, local_axis\).*2-D \(host, local\) mesh"),
+        ({"implementation": "hierarchical"}, ValueError,
+         r"needs axes=\(host_axis, local_axis\).*2-D \(host, local\) mesh"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -191,7 +196,8 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
 @pytest.mark.parametrize(
     ("tree", "op", "match"),
     [
-        ({"count": jnp.int32(3)}, "mean", r"op='mean' on integer leaf \['count'\] \(dtype int32\) would truncate"),
+        ({"count": jnp.int32(3)}, "mean",
+         r"op='mean' on integer leaf \['count'\] \(dtype int32\) would truncate"),
         ([jnp.ones(2, bool)], "sum", r"leaf \[0\] has dtype bool.*cast it to int32"),
     ],
 )
@@ -210,9 +216,11 @@ def test_op_accepts_str_enum_and_any_case():
         SUM = "SUM"
 
     def per_replica():
-        return reduce_tree(_X, ReduceOp.SUM, axes=("data",))["w"], reduce_tree(_X, "MEAN", axes=("data",))["w"]
+        total = reduce_tree(_X, ReduceOp.SUM, axes=("data",))["w"]
+        return total, reduce_tree(_X, "MEAN", axes=("data",))["w"]
 
-    f = jax.shard_map(per_replica, mesh=_mesh((2,), ("data",)), in_specs=(), out_specs=jax.P(), check_vma=False)
+    f = jax.shard_map(per_replica, mesh=_mesh((2,), ("data",)), in_specs=(), out_specs=jax.P(),
+                      check_vma=False)
     total, mean = jax.jit(f)()
     np.testing.assert_array_equal(total, [2.0, 2.0, 2.0])
     np.testing.assert_array_equal(mean, [1.0, 1.0, 1.0])

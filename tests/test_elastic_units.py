@@ -3,14 +3,12 @@ store (the in-memory tier: tests/test_memstate.py)."""
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxdist.launch.hang import HangDetector
-from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
 from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
+from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
 
 
 def test_stop_step_is_read_from_the_agents_file(tmp_path):
@@ -119,7 +117,8 @@ def test_rendezvous_store_refuses_hostile_requests_and_wrong_tokens(monkeypatch)
         monkeypatch.setattr(rendezvous, "MAX_KEYS", 3)
         good.set("a", 1)
         with pytest.raises(RendezvousError, match="RESOURCE_EXHAUSTED"):
-            good.set("b", 1); good.set("c", 1)
+            good.set("b", 1)
+            good.set("c", 1)
         good.set("a", 2)  # an existing key may still change
         monkeypatch.setattr(rendezvous, "MAX_KEYS", 4096)
         monkeypatch.setattr(rendezvous, "MAX_STORE_BYTES", 100_000)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.launch import _assemble, _slots, memstate
 from jaxdist.launch.memstate import StateTier
@@ -21,7 +22,8 @@ def _mesh(n=8):
                          devices=jax.devices()[:n])
 
 
-def _state(step, mesh=None, spec=P("data")):
+def _state(step, mesh=None, spec=None):
+    spec = P("data") if spec is None else spec
     w = jnp.arange(64 * 6, dtype=jnp.float32).reshape(64, 6) + step
     b = jnp.full((6,), float(step), jnp.bfloat16)
     state = {"w": w, "b": b, "count": jnp.int32(step), "flag": jnp.array([True, False])}

@@ -100,7 +100,8 @@ def test_built_site_shows_the_notebook_with_a_figure(name):
     if not os.path.isdir(HTML):
         pytest.skip("the docs are not built (sphinx-build -W -b html docs docs/_build/html)")
     html = open(page, encoding="utf-8").read()
-    assert re.search(r"<img[^>]+src=\"\.\./_images/[^\"]+\.png\"", html), f"{page} shows no figure (was the site built with the notebooks executed?)"
+    assert re.search(r"<img[^>]+src=\"\.\./_images/[^\"]+\.png\"", html), (
+        f"{page} shows no figure (was the site built with the notebooks executed?)")
     assert "Traceback" not in html and "@title Checks" not in html
     for noise in ("[Gloo]", "WARNING", "absl::", "E0000 "):  # library logging stays out of the page
         assert noise not in html, f"{page} shows {noise!r} output"

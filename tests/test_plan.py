@@ -9,8 +9,8 @@ import os
 import jax
 import pytest
 
-from jaxdist.plan import measure as plan_measure
 from jaxdist.plan import Link, allreduce_time, predict, recommend
+from jaxdist.plan import measure as plan_measure
 from tests.conftest import REPO, run_python
 
 FAST = Link("fast", latency_s=1e-5, bandwidth=1e10)

@@ -1,8 +1,8 @@
 """Placement of parameter leaves on servers, and the wire format."""
 
 import jax
-import msgpack
 import ml_dtypes
+import msgpack
 import numpy as np
 import pytest
 

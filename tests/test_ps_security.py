@@ -15,8 +15,7 @@ import pytest
 
 from jaxdist.ps import optimizer, wire
 from jaxdist.ps.server import ParameterServer, PushRejected, ServerConfig
-from jaxdist.ps.transport import (PS_SERVICE, Channel, GrpcClient, PSService, TLSConfig,
-                                  Unavailable, serve)
+from jaxdist.ps.transport import PS_SERVICE, Channel, GrpcClient, PSService, TLSConfig, Unavailable, serve
 from tests.conftest import REPO, run_python
 
 SCRIPTS = os.path.join(REPO, "tests", "_ps_scripts")

@@ -11,8 +11,7 @@ import pytest
 
 from jaxdist.ps import optimizer, wire
 from jaxdist.ps.server import ParameterServer, PushRejected, ServerConfig
-from jaxdist.ps.transport import (PS_SERVICE, GrpcClient, PermissionDenied, PSService,
-                                  Unavailable, serve)
+from jaxdist.ps.transport import PS_SERVICE, GrpcClient, PermissionDenied, PSService, Unavailable, serve
 
 
 def _g(value=1.0, n=4):

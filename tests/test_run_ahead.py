@@ -27,6 +27,7 @@ def test_readme_loop_of_450_steps_on_8_devices_completes(view, tmp_path):
 
 def test_in_flight_bound_is_validated():
     import jax
+
     import jaxdist
 
     s = jaxdist.MirroredStrategy(jax.devices()[:1])

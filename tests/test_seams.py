@@ -4,9 +4,6 @@ branches (found in review), and passes now."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import jax
 import jax.numpy as jnp
 import numpy as np

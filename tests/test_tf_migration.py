@@ -63,7 +63,7 @@ def test_a_tf_distribute_custom_loop_then_fit_checkpoint_and_restore(tmp_path):
 
     losses = []
     with strategy.scope():
-        for epoch in range(3):
+        for _epoch in range(3):
             total, batches = 0.0, 0
             for inputs in dataset:
                 state, per_replica_losses = strategy.run(train_step, args=(state, inputs))

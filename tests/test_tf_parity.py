@@ -33,7 +33,7 @@ def test_mirrored_takes_device_strings():
 def test_missing_devices_list_the_ones_there_are(spec, message):
     s = jaxdist.OneDeviceStrategy(spec)  # resolved lazily: the backend may not be up yet
     with pytest.raises(ValueError, match=message):
-        s.mesh
+        _ = s.mesh
 
 
 @pytest.mark.parametrize("bad", ["gpu0", "/gpu:-1", "/xpu:0"])

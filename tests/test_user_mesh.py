@@ -85,7 +85,8 @@ def test_batch_replaced_without_copy():
     s = jaxdist.MirroredStrategy(jax.devices()[:8])
     placed = s.layout.put_batch((x,))[0]
     assert placed.sharding.mesh == s.mesh
-    ptrs = lambda a: sorted(sh.data.unsafe_buffer_pointer() for sh in a.addressable_shards)
+    def ptrs(a):
+        return sorted(sh.data.unsafe_buffer_pointer() for sh in a.addressable_shards)
     assert ptrs(placed) == ptrs(x)
 
 

@@ -8,8 +8,15 @@ import logging
 import jax
 
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
-from jaxdist.callbacks.save_policy import (AnyOf, BestMetric, EveryNEpochs, EveryNSteps,
-                                           SaveCandidate, SavePolicy, resolve_mode)
+from jaxdist.callbacks.save_policy import (
+    AnyOf,
+    BestMetric,
+    EveryNEpochs,
+    EveryNSteps,
+    SaveCandidate,
+    SavePolicy,
+    resolve_mode,
+)
 from jaxdist.launch import heartbeat
 from jaxdist.launch.memstate import StateTier
 

@@ -7,9 +7,9 @@ integrity checks, and the side-car evaluator that follows a checkpoint directory
 'CheckpointManager'
 """
 
+from jaxdist.checkpoint.manager import OWNER_FILE as OWNER_FILE
 from jaxdist.checkpoint.manager import CheckpointError as CheckpointError
 from jaxdist.checkpoint.manager import CheckpointManager as CheckpointManager
-from jaxdist.checkpoint.manager import OWNER_FILE as OWNER_FILE
 from jaxdist.checkpoint.manager import (
     CheckpointMismatchError as CheckpointMismatchError,
 )

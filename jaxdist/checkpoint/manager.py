@@ -37,10 +37,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxdist.checkpoint._integrity import (CompleteSteps, DigestsHandler, DigestsRestore, DigestsSave,
-                                     Pending,
-                                     meta_checksum)
 from jaxdist.checkpoint._digest import dispatch_digests, path_name, tree_digests
+from jaxdist.checkpoint._integrity import (
+    CompleteSteps,
+    DigestsHandler,
+    DigestsRestore,
+    DigestsSave,
+    Pending,
+    meta_checksum,
+)
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import has_per_replica, is_static_leaf, join_static, split_static
 

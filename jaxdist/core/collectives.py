@@ -181,9 +181,8 @@ def _ring(x: jax.Array, *, axes: tuple[str, ...], n: int, accum: Any) -> jax.Arr
     chunks = lax.fori_loop(0, n - 1, scatter_hop, chunks)
     owned = (idx + 1) % n
     # The owner keeps the wire-rounded value too, so every replica ends with the same bits.
-    done = lax.dynamic_update_index_in_dim(
-        jnp.zeros((n, chunk), wire), lax.dynamic_index_in_dim(chunks, owned, keepdims=False).astype(wire), owned, 0
-    )
+    mine = lax.dynamic_index_in_dim(chunks, owned, keepdims=False).astype(wire)
+    done = lax.dynamic_update_index_in_dim(jnp.zeros((n, chunk), wire), mine, owned, 0)
 
     # All-gather: at hop s replica i forwards finished chunk i+1-s and receives chunk i-s.
     def gather_hop(s, done):

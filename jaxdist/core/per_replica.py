@@ -30,8 +30,14 @@ from jaxdist.core.reading import local_results as local_results
 from jaxdist.core.reading import reduce as reduce
 from jaxdist.core.reading import to_mirrored as to_mirrored
 from jaxdist.core.step import InFlight, _frozen, _has_shardings, returns_state
-from jaxdist.core.values import (Batch, PerReplica, explaining_batch_errors, is_per_replica, join_static,
-                            split_leaves)
+from jaxdist.core.values import (
+    Batch,
+    PerReplica,
+    explaining_batch_errors,
+    is_per_replica,
+    join_static,
+    split_leaves,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,15 @@ from jax.sharding import NamedSharding
 
 from jaxdist.core import progress, replica
 from jaxdist.core._types import PyTree
-from jaxdist.core.values import (Batch, StaticKey, explaining_batch_errors, is_static_leaf, join_static,
-                            split_leaves, split_static)
+from jaxdist.core.values import (
+    Batch,
+    StaticKey,
+    explaining_batch_errors,
+    is_static_leaf,
+    join_static,
+    split_leaves,
+    split_static,
+)
 
 MAX_IN_FLIGHT = 32
 """The most steps a loop may keep queued: on XLA:CPU with several devices, ~100 queued steps with

@@ -28,12 +28,20 @@ import numpy as np
 
 from jaxdist.core._datacheck import warn_non_finite
 from jaxdist.core._types import PyTree
-from jaxdist.input.local import (AutoShardPolicy, ShardableSource, StepSync, new_stream_name,
-                                 pipelines, regroup, rows_of, synced)
 from jaxdist.core.layout import check_batch_leaves
 from jaxdist.core.step import stacked_sharding
 from jaxdist.core.values import Batch
 from jaxdist.input.iterator import DistributedIterator, _first
+from jaxdist.input.local import (
+    AutoShardPolicy,
+    ShardableSource,
+    StepSync,
+    new_stream_name,
+    pipelines,
+    regroup,
+    rows_of,
+    synced,
+)
 
 __all__ = ["Batch", "DistributedDataset", "DistributedIterator", "Group", "check_batch_leaves"]
 

@@ -277,10 +277,10 @@ def regroup(items: Iterable, local_rows: int) -> Iterator[LocalStep]:
         n = rows_of(item, f"batch {k} read by this process")
         item = jax.tree.map(np.asarray, item)
         rows = item if start == end else jax.tree.map(
-            lambda a, b: np.concatenate([a[start:end], b]), rows, item)
+            lambda a, b, lo=start, hi=end: np.concatenate([a[lo:hi], b]), rows, item)
         start, end = 0, (end - start) + n
         while end - start >= local_rows:
-            yield LocalStep(jax.tree.map(lambda a: a[start:start + local_rows], rows),
+            yield LocalStep(jax.tree.map(lambda a, lo=start: a[lo:lo + local_rows], rows),
                             np.ones(local_rows, bool), local_rows)
             start += local_rows
     if end > start:

@@ -301,7 +301,7 @@ def resume(directory: str, target: Any, target_leaves: list) -> tuple[int, list,
     shapes = [tuple(np.shape(t)) for t in target_leaves]
     dtypes = [dtype_name(t) for t in target_leaves]
     bad: set[tuple[str, int]] = set()
-    for attempt in range(3):
+    for _attempt in range(3):
         held = [(d, s, h) for d, s, h in _slots.slots(directory)
                 if h.get("fingerprint") == fingerprint and (d, s) not in bad]
         summaries = allgather_json(_summary(held))

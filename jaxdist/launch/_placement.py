@@ -180,8 +180,9 @@ class GpuPlan:
     def describe(self) -> str:
         """One line for the launcher's log.
 
-        >>> GpuPlan(8, 2, 3, how="nvidia-smi -L").describe()
-        'GPUs: 8 on this host (nvidia-smi -L); 2 per process (process i of the host: GPUs 2i..2i+1, as JAX_LOCAL_DEVICE_IDS); GPUs 6..7 unused'
+        >>> print(GpuPlan(8, 2, 3, how="nvidia-smi -L").describe())  # doctest: +NORMALIZE_WHITESPACE
+        GPUs: 8 on this host (nvidia-smi -L); 2 per process (process i of the host: GPUs 2i..2i+1,
+        as JAX_LOCAL_DEVICE_IDS); GPUs 6..7 unused
         """
         k = self.per_process
         which = "GPU i" if k == 1 else f"GPUs {k}i..{k}i+{k - 1}"

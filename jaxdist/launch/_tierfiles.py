@@ -71,9 +71,12 @@ def read_tier(directory: str, rank: int | str) -> dict | None:
 def describe_tier(info: Mapping[str, Any]) -> str:
     """The launcher's line for a tier's ``tier.json``.
 
-    >>> describe_tier({"bytes": 245e6, "copy_every": 2, "every": 8, "bound": 2, "bound_all": 9,
-    ...                "cost_s": 0.012, "step_s": 0.3, "budget": 0.05, "fixed": False})
-    'in-memory tier (rank 0): 245.0 MB, copied to host memory every 2 step(s) and written to the state directory every 8, costing about 0.012 s a step against 0.3 s steps (budget 5% of steps/s); a failure costs at most 2 step(s), or 9 when no process of the job survives it'
+    >>> print(describe_tier({"bytes": 245e6, "copy_every": 2, "every": 8, "bound": 2, "bound_all": 9,
+    ...                      "cost_s": 0.012, "step_s": 0.3, "budget": 0.05, "fixed": False}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    in-memory tier (rank 0): 245.0 MB, copied to host memory every 2 step(s) and written to the
+    state directory every 8, costing about 0.012 s a step against 0.3 s steps (budget 5% of
+    steps/s); a failure costs at most 2 step(s), or 9 when no process of the job survives it
     """
     if info.get("fixed"):
         why = "as JAXDIST_MEMORY_TIER_EVERY asks"

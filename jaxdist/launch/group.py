@@ -22,12 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.launch import memstate
-from jaxdist.launch import reaper
+from jaxdist.launch import _placement, memstate, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
-from jaxdist.launch import _placement
-from jaxdist.launch.cluster import ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_PS_TOKEN
-from jaxdist.launch.cluster import ENV_RESTART_COUNT, ClusterSpec
+from jaxdist.launch.cluster import (
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_PS_TOKEN,
+    ENV_RESTART_COUNT,
+    ClusterSpec,
+)
 from jaxdist.launch.hang import HangDetector, request_stacks, stack_ranks, waited_for
 from jaxdist.launch.hang import process_state as hang_process_state
 from jaxdist.launch.heartbeat import ENV_STATE_DIR, heartbeat_path

@@ -163,10 +163,12 @@ def waited_for(dispatched: dict[int, int | None]) -> str:
     A rank that dispatched fewer steps than its peers has not entered the collective they are
     blocked in: it is the one to look at (its stack shows where it is).
 
-    >>> waited_for({0: 12, 1: 9, 2: 12})
-    'rank 1 is the one the others wait for: it dispatched 9 steps, ranks [0, 2] dispatched 12 (they are blocked inside a collective it has not entered)'
-    >>> waited_for({0: 5, 1: 5})
-    'every rank stopped after dispatching 5 steps: none is behind the others (a step itself, or the devices, do not finish)'
+    >>> print(waited_for({0: 12, 1: 9, 2: 12}))  # doctest: +NORMALIZE_WHITESPACE
+    rank 1 is the one the others wait for: it dispatched 9 steps, ranks [0, 2] dispatched 12 (they
+    are blocked inside a collective it has not entered)
+    >>> print(waited_for({0: 5, 1: 5}))  # doctest: +NORMALIZE_WHITESPACE
+    every rank stopped after dispatching 5 steps: none is behind the others (a step itself, or the
+    devices, do not finish)
     """
     known = {r: s for r, s in dispatched.items() if s is not None}
     silent = sorted(r for r, s in dispatched.items() if s is None)

@@ -37,7 +37,6 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from jaxdist import _output
-
 from jaxdist.launch import reaper
 from jaxdist.launch._procs import free_ports as free_ports
 from jaxdist.launch.cluster import parse_count, split_address
@@ -221,7 +220,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-period", type=float, default=20.0, metavar="SECONDS",
                         help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="show every output line, gloo's per-connection lines too (also: JAXDIST_VERBOSE=1)")
+                        help="show every output line, gloo's per-connection lines too "
+                             "(also: JAXDIST_VERBOSE=1)")
     parser.add_argument("--hang-timeout", type=float, metavar="SECONDS",
                         help="a rank that completes no step for this long is hung and handled "
                              "as a failure (default: 50 x the median step time, 60-300 s)")

@@ -54,8 +54,15 @@ from jaxdist.launch import _assemble, _slots
 from jaxdist.launch._assemble import RejoinRequired as RejoinRequired
 from jaxdist.launch._assemble import StateMismatchError as StateMismatchError
 from jaxdist.launch._cadence import _Cadence
-from jaxdist.launch._copies import _arrays, _Blocks, _blocks, _Elsewhere, _my_bytes, _pinned_copy
-from jaxdist.launch._copies import _writes_replicated
+from jaxdist.launch._copies import (
+    _arrays,
+    _Blocks,
+    _blocks,
+    _Elsewhere,
+    _my_bytes,
+    _pinned_copy,
+    _writes_replicated,
+)
 from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
 from jaxdist.launch._tierfiles import _fmt, _read_token
 from jaxdist.launch._tierfiles import describe_tier as describe_tier

@@ -6,9 +6,9 @@ memory per ``zero_stage``; ``measure`` calibrates it on the machine at hand and 
 from jaxdist.plan.cost import ALGORITHMS as ALGORITHMS
 from jaxdist.plan.cost import GB as GB
 from jaxdist.plan.cost import LINKS as LINKS
-from jaxdist.plan.cost import Link as Link
 from jaxdist.plan.cost import OPTIMIZER_SLOTS as OPTIMIZER_SLOTS
 from jaxdist.plan.cost import PRECISIONS as PRECISIONS
+from jaxdist.plan.cost import Link as Link
 from jaxdist.plan.cost import Prediction as Prediction
 from jaxdist.plan.cost import Recommendation as Recommendation
 from jaxdist.plan.cost import StageMemory as StageMemory

@@ -13,8 +13,19 @@ from collections.abc import Sequence
 
 from jaxdist import _output
 from jaxdist._output import integer, real, size
-from jaxdist.plan.cost import (LINKS, OPTIMIZER_SLOTS, PRECISIONS, Link, _fmt_bytes, _link,
-                          allreduce_time, predict, recommend, recommend_stage, stage_memory)
+from jaxdist.plan.cost import (
+    LINKS,
+    OPTIMIZER_SLOTS,
+    PRECISIONS,
+    Link,
+    _fmt_bytes,
+    _link,
+    allreduce_time,
+    predict,
+    recommend,
+    recommend_stage,
+    stage_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +91,8 @@ def measure_allreduce(devices=None, sizes: Sequence[int] = (2**16, 2**20, 2**22)
                                check_vma=False))
     mine = sum(d.process_index == jax.process_index() for d in devices)
     times = []
-    for size in sizes:
-        n = size // 4
+    for nbytes in sizes:
+        n = nbytes // 4
         x = jax.make_array_from_process_local_data(sharding, np.ones((n * mine,), np.float32),
                                                    (n * k,))
         jax.block_until_ready(fn(x))

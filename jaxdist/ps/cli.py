@@ -74,8 +74,14 @@ def _run_task(args: argparse.Namespace) -> int:
         print(f"jaxdist ps: {e}", file=sys.stderr)
         return 2
     if spec.task_type == "ps":
-        from jaxdist.ps.transport import (HEADER_SLACK, PS_SERVICE, PSService, TLSConfig,
-                                          resolve_token, serve_until_stopped)
+        from jaxdist.ps.transport import (
+            HEADER_SLACK,
+            PS_SERVICE,
+            PSService,
+            TLSConfig,
+            resolve_token,
+            serve_until_stopped,
+        )
         try:
             token = resolve_token(None, authenticate=not args.no_auth)
             tls = TLSConfig.from_env()

@@ -30,10 +30,18 @@ from jaxdist.ps._retry import retry
 from jaxdist.ps.coordinator import ClusterCoordinator, GrpcWorker, LocalWorker
 from jaxdist.ps.optim import OptimizerSpec
 from jaxdist.ps.server import ParameterServer, ServerConfig, check_number
-from jaxdist.ps.transport import (HEADER_SLACK, GrpcClient, LocalClient, PS_SERVICE, PSService,
-                                  TLSConfig, Unavailable, resolve_token, serve_until_stopped)
-from jaxdist.ps.worker import (WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService,
-                               strategy_grad_fn)
+from jaxdist.ps.transport import (
+    HEADER_SLACK,
+    PS_SERVICE,
+    GrpcClient,
+    LocalClient,
+    PSService,
+    TLSConfig,
+    Unavailable,
+    resolve_token,
+    serve_until_stopped,
+)
+from jaxdist.ps.worker import WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService, strategy_grad_fn
 from jaxdist.strategy.base import _scope, check_global_batch_size
 
 __all__ = ["ParameterServerStrategy", "LocalCluster"]

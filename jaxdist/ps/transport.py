@@ -35,9 +35,15 @@ import numpy as np
 from jaxdist.launch.cluster import ENV_PS_TOKEN
 from jaxdist.ps import wire
 from jaxdist.ps._retry import retry
-from jaxdist.ps.server import (ParameterServer, PushRejected, PushResult, ServerConfig,
-                               UpdateRecord, check_number)
 from jaxdist.ps.optim import OptimizerSpec
+from jaxdist.ps.server import (
+    ParameterServer,
+    PushRejected,
+    PushResult,
+    ServerConfig,
+    UpdateRecord,
+    check_number,
+)
 
 __all__ = ["ServerClient", "LocalClient", "GrpcClient", "Unavailable", "PermissionDenied",
            "serve", "serve_until_stopped", "PSService", "Channel", "PS_SERVICE", "TLSConfig",

@@ -25,8 +25,8 @@ from jaxdist.ps._retry import retry
 from jaxdist.ps.server import PushRejected, check_number
 from jaxdist.ps.transport import ServerClient, Unavailable
 
-__all__ = ["AckBook", "WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn", "WorkerService",
-           "WORKER_SERVICE", "to_plain"]
+__all__ = ["AckBook", "WorkerRuntime", "remote", "strategy_grad_fn", "resolve", "make_step_id", "GradFn",
+           "WorkerService", "WORKER_SERVICE", "to_plain"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class WorkerRuntime:
             loss, grads = self.grad_fn(params, batch)
             flat, _ = placement_lib.flatten(grads)
             parts = self.placement.split({k: np.asarray(v) for k, v in flat.items()})
-            results = self._each(lambda s: self.clients[s].push(
+            results = self._each(lambda s, versions=versions, parts=parts: self.clients[s].push(
                 worker=self.index, step_id=step_id, version=versions[s], grads=parts[s]), todo)
             for shard, result in results.items():
                 if result.status in ("applied", "pending"):

@@ -13,9 +13,8 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.core import mesh as mesh_lib

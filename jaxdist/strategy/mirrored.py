@@ -9,11 +9,9 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jaxdist.core import collectives
+from jaxdist.core import collectives, zero
 from jaxdist.core import mesh as mesh_lib
-from jaxdist.core import zero
 from jaxdist.strategy.base import MeshStrategy, UserMeshStrategy, resolve_devices
-
 
 ALIASES = {"auto": "xla", "nccl": "xla"}
 """tf.distribute's names for XLA's own all-reduce: ``"auto"`` (tf's default, ``cross_device_ops=None``:

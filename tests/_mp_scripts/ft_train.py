@@ -5,7 +5,8 @@
 
 On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
 SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
-input pipeline that waits for ever; its peers wait inside the next step's collective). Rank 0 prints ``trained step N epoch E position P`` after each step, the step it
+input pipeline that waits for ever; its peers wait inside the next step's collective). Rank 0 prints
+``trained step N epoch E position P`` after each step, the step it
 resumed from (and whether from memory or from the backup), and writes the final parameters to OUT.
 The backup period is longer than the run, so only the in-memory tier can save work.
 """

@@ -1,4 +1,6 @@
-"""Joins the job TF_CONFIG describes with `jaxdist.initialize(timeout_s=SECONDS)`: `join_tf_config.py SECONDS`."""
+"""Joins the job TF_CONFIG describes with `jaxdist.initialize(timeout_s=SECONDS)`.
+
+Usage: `join_tf_config.py SECONDS`."""
 import sys
 
 import jaxdist

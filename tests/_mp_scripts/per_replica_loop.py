@@ -38,7 +38,7 @@ def replica_step(state, batch):                # runs once per replica on its sl
 
 dataset = strategy.distribute((x, y), 128, shuffle=True)
 losses = []
-for epoch in range(2):
+for _epoch in range(2):
     for batch in dataset:
         state, loss = strategy.run(replica_step, args=(state, batch))   # per-replica values
         loss = strategy.reduce("sum", loss)    # each replica's share of the global mean, summed
@@ -47,5 +47,5 @@ for epoch in range(2):
 state = strategy.to_mirrored(state, check=True)            # one replicated copy of the agreed state
 leaves = [np.asarray(v) for v in jax.tree.leaves(state.params)]
 if jax.process_index() == 0:
-    np.savez(sys.argv[1], losses=np.asarray(losses), replicas=strategy.num_replicas_in_sync, *leaves)
+    np.savez(sys.argv[1], *leaves, losses=np.asarray(losses), replicas=strategy.num_replicas_in_sync)
 print(f"process {jax.process_index()}: {len(losses)} steps on {strategy.num_replicas_in_sync} replicas")

@@ -35,7 +35,7 @@ def train_step(state, batch):
 strategy = train_step.strategy
 dataset = strategy.distribute((x, y), batch_size, shuffle=True)
 steps = 0
-for epoch in range(epochs):
+for _epoch in range(epochs):
     for batch in dataset:
         if view == "global":
             state, metrics = train_step(state, batch)
@@ -45,5 +45,5 @@ for epoch in range(epochs):
 if view != "global":
     state = strategy.to_mirrored(state)
 leaves = [np.asarray(v) for v in jax.tree.leaves(state.params)]
-np.savez(out, steps=steps, devices=strategy.num_replicas_in_sync, *leaves)
+np.savez(out, *leaves, steps=steps, devices=strategy.num_replicas_in_sync)
 print(f"{view}: {steps} steps on {strategy.num_replicas_in_sync} devices")

@@ -14,6 +14,8 @@ import sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver  # noqa: E402
+
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
 out = {}
@@ -27,7 +29,8 @@ for n in [int(sys.argv[1])]:
         out[f"reduce_sum_plain_axisNone_{n}"] = f"{type(e).__name__}: {str(e)[:120]}"
     out[f"reduce_mean_plain_axis0_{n}"] = float(s.reduce("MEAN", v, axis=0))
     # 13 rows, global batch 8: mean over the last batch's per-example values.
-    ds = s.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(np.arange(13, dtype=np.float32)).batch(8))
+    rows = tf.data.Dataset.from_tensor_slices(np.arange(13, dtype=np.float32))
+    ds = s.experimental_distribute_dataset(rows.batch(8))
     means, gathers, sums = [], [], []
     for b in ds:
         pe = s.run(lambda x: x * 1.0, args=(b,))
@@ -38,9 +41,11 @@ for n in [int(sys.argv[1])]:
     out[f"partial_sum_{n}"] = sums
     out[f"partial_gather_{n}"] = gathers
 out["ReduceOp_SUM"] = str(tf.distribute.ReduceOp("SUM"))
-out["compute_average_loss_weights"] = float(tf.nn.compute_average_loss(tf.constant([1., 2., 3., 4.]), sample_weight=tf.constant([1., 0., 1., .5])))
+out["compute_average_loss_weights"] = float(tf.nn.compute_average_loss(
+    tf.constant([1., 2., 3., 4.]), sample_weight=tf.constant([1., 0., 1., .5])))
 out["compute_average_loss_no_weights"] = float(tf.nn.compute_average_loss(tf.constant([1., 2., 3., 4.])))
-from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+
+
 def resolve(cfg):
     os.environ["TF_CONFIG"] = json.dumps(cfg)
     try:
@@ -52,6 +57,9 @@ def resolve(cfg):
         return {"ok": spec}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-out["tf_config_two_evaluators"] = resolve({"cluster": {"worker": ["h0:2222"], "evaluator": ["h1:2222", "h2:2222"]}, "task": {"type": "worker", "index": 0}})
-out["tf_config_sparse"] = resolve({"cluster": {"worker": {"0": "h0:2222", "1": "h1:2222"}}, "task": {"type": "worker", "index": 1}})
+out["tf_config_two_evaluators"] = resolve({"cluster": {"worker": ["h0:2222"],
+                                                       "evaluator": ["h1:2222", "h2:2222"]},
+                                           "task": {"type": "worker", "index": 0}})
+out["tf_config_sparse"] = resolve({"cluster": {"worker": {"0": "h0:2222", "1": "h1:2222"}},
+                                   "task": {"type": "worker", "index": 1}})
 print(json.dumps(out, indent=1))
