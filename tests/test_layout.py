@@ -25,7 +25,7 @@ ALLOWED = {
     "input": {"core"},
     "launch": {"core", "_output"},
     "strategy": {"core", "input", "launch"},
-    "checkpoint": {"core", "strategy"},
+    "checkpoint": {"core", "strategy", "launch"},
     "callbacks": {"core", "checkpoint", "launch"},
     "training": {"core", "input", "strategy", "checkpoint", "callbacks", "launch", "_output"},
     "ps": {"core", "input", "strategy", "callbacks", "launch", "_output"},

@@ -13,8 +13,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.launch import _assemble, _slots, memstate
-from jaxdist.launch.memstate import StateTier
+from jaxdist.checkpoint import _assemble, memstate
+from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.launch import _slots
 
 
 def _mesh(n=8):
@@ -132,7 +133,7 @@ def test_a_directory_without_room_switches_the_tier_off_with_one_warning(tmp_pat
                                                                           caplog):
     monkeypatch.setattr(memstate, "_free_bytes", lambda d: 1000)
     tier = StateTier(str(tmp_path), rank=0)
-    with caplog.at_level("WARNING", logger="jaxdist.launch.memstate"):
+    with caplog.at_level("WARNING", logger="jaxdist.checkpoint.memstate"):
         assert tier.save(1, _state(1)) is False
         assert tier.save(2, _state(2)) is False
     assert not tier.enabled
@@ -150,7 +151,7 @@ def test_a_full_directory_while_writing_switches_the_tier_off_and_training_goes_
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with caplog.at_level("WARNING", logger="jaxdist.launch.memstate"):
+    with caplog.at_level("WARNING", logger="jaxdist.checkpoint.memstate"):
         tier.save(2, _state(2))
         tier.flush()
         assert tier.save(3, _state(3)) is False
@@ -228,7 +229,7 @@ def test_while_no_copy_was_waited_for_the_loops_pace_times_the_steps(monkeypatch
     # before: the cadence knew the step time only from copies the writer had to wait for; with
     # tiny steps the writer, persisting every copy, was always behind, so the tier copied and
     # wrote every step for the first 70 steps (a fifth of a short run's time)
-    from jaxdist.launch import _cadence
+    from jaxdist.checkpoint import _cadence
 
     now = [100.0]
     monkeypatch.setattr(_cadence.time, "perf_counter", lambda: now[0])

@@ -17,8 +17,8 @@ from jaxdist.callbacks.save_policy import (
     SavePolicy,
     resolve_mode,
 )
+from jaxdist.checkpoint.memstate import StateTier
 from jaxdist.launch import heartbeat
-from jaxdist.launch.memstate import StateTier
 
 logger = logging.getLogger(__name__)
 

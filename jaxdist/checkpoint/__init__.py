@@ -1,6 +1,7 @@
 """Checkpoints: Orbax-backed saves that restore on any device count and any ``zero_stage``, their
-integrity checks, and the side-car evaluator that follows a checkpoint directory
-(``jaxdist.evaluator``).
+integrity checks, the side-car evaluator that follows a checkpoint directory
+(``jaxdist.evaluator``), and the in-memory tier (``memstate``: recent steps in host memory, where a
+restarted process finds them).
 
 >>> import jaxdist
 >>> jaxdist.checkpoint.CheckpointManager.__name__

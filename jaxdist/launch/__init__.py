@@ -5,7 +5,8 @@
 * ``launcher`` is ``jaxdist launch`` (``run``, ``main``): ``group`` runs one host's processes
   (output, restarts, hangs), ``elastic`` and ``rendezvous`` re-form a job over hosts that come and
   go, ``hang`` and ``reaper`` find stuck ranks and clean up after them;
-* ``memstate`` is the in-memory state tier a training process keeps, and its heartbeats.
+* ``heartbeat``, ``_tierfiles`` and ``_slots`` are the state directory's files: heartbeats, and what
+  the in-memory tier (``jaxdist.checkpoint.memstate``) and the launcher tell each other.
 
 The launcher's names are available here (``from jaxdist import launch; launch.run(...)``), loaded
 on first use so that importing ``jaxdist.launch.cluster`` stays cheap.

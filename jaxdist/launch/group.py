@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.launch import _placement, memstate, reaper
+from jaxdist.launch import _placement, _slots, _tierfiles, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
     ENV_NUM_PROCESSES,
@@ -335,7 +335,7 @@ class _Launcher:
     def _keep_or_remove_state(self, failed: bool) -> None:
         """A failed job's in-memory state is kept (it may be all that saves the work); a job that
         ended well removes it."""
-        kept = failed and any(True for _ in memstate._slots.slots(self._state_dir))
+        kept = failed and any(True for _ in _slots.slots(self._state_dir))
         if not kept:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             return
@@ -355,7 +355,7 @@ class _Launcher:
         """Prints rank 0's in-memory tier cadence when it is first known or changes."""
         if self._state_dir is None:
             return
-        path = memstate.tier_path(self._state_dir, 0)
+        path = _tierfiles.tier_path(self._state_dir, 0)
         try:
             mtime = os.stat(path).st_mtime
             if mtime == self._tier_seen:
@@ -363,28 +363,28 @@ class _Launcher:
             with open(path, "rb") as f:
                 info = json.loads(f.read())
             self._tier_seen = mtime
-            self.say(memstate.describe_tier(info))
+            self.say(_tierfiles.describe_tier(info))
         except (OSError, ValueError):
             pass
 
     def flush_survivors(self, procs: Mapping[int, subprocess.Popen]) -> None:
         """Before a failed group is killed: asks its live processes to write their newest copy
-        of the state (``jaxdist.launch.memstate``), and waits a few seconds for them. For a
+        of the state (``jaxdist.checkpoint.memstate``), and waits a few seconds for them. For a
         replicated state any survivor's copy holds the whole step, so the restart loses at
         most the steps since that copy, not since the last write."""
         d = self._state_dir
         if d is None:
             return
         alive = {r: p for r, p in procs.items()
-                 if p.poll() is None and memstate.watches_flush(d, r)
+                 if p.poll() is None and _tierfiles.watches_flush(d, r)
                  and hang_process_state(p.pid) != "stopped"}
         if not alive:
             return
-        token = memstate.request_flush(d)
-        size = max((memstate.read_tier(d, r) or {}).get("bytes", 0) for r in alive)
+        token = _tierfiles.request_flush(d)
+        size = max((_tierfiles.read_tier(d, r) or {}).get("bytes", 0) for r in alive)
         end = time.monotonic() + _FLUSH_S + size / 5e8
         while time.monotonic() < end and any(
-                p.poll() is None and not memstate.flushed(d, r, token) for r, p in alive.items()):
+                p.poll() is None and not _tierfiles.flushed(d, r, token) for r, p in alive.items()):
             time.sleep(0.02)
 
     def dump_stacks(self, ranks: Mapping[int, int]) -> None:
@@ -417,7 +417,7 @@ class _Launcher:
         try:
             for rank in range(n if self._state_dir is not None else 0):
                 for path in (heartbeat_path(self._state_dir, rank),
-                             memstate.outcome_path(self._state_dir, rank)):
+                             _tierfiles.outcome_path(self._state_dir, rank)):
                     try:  # what the previous attempt reported must not count for this one
                         os.remove(path)
                     except FileNotFoundError:

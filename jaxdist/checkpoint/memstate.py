@@ -26,7 +26,7 @@ it first knows (``tier.json`` beside the slots, which ``jaxdist launch`` prints,
 Sharded state (``zero_stage`` 1-3, a user mesh) is covered: each process writes only the blocks
 its devices hold (a block every process holds, as a replicated array, is written once per host);
 :meth:`StateTier.resume` puts them together again, re-sharding when the job comes back with
-another layout (``jaxdist.launch._assemble``). When the directory lacks room (two slots of this
+another layout (``jaxdist.checkpoint._assemble``). When the directory lacks room (two slots of this
 process's blocks), the tier switches itself off with one warning and the persistent backup is
 what a failure falls back to; it never stops training.
 
@@ -48,13 +48,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.core._types import PyTree
-from jaxdist.core.values import is_static_leaf, join_static, split_static
-from jaxdist.launch import _assemble, _slots
-from jaxdist.launch._assemble import RejoinRequired as RejoinRequired
-from jaxdist.launch._assemble import StateMismatchError as StateMismatchError
-from jaxdist.launch._cadence import _Cadence
-from jaxdist.launch._copies import (
+from jaxdist.checkpoint import _assemble
+from jaxdist.checkpoint._assemble import RejoinRequired as RejoinRequired
+from jaxdist.checkpoint._assemble import StateMismatchError as StateMismatchError
+from jaxdist.checkpoint._cadence import _Cadence
+from jaxdist.checkpoint._copies import (
     _arrays,
     _Blocks,
     _blocks,
@@ -63,6 +61,9 @@ from jaxdist.launch._copies import (
     _pinned_copy,
     _writes_replicated,
 )
+from jaxdist.core._types import PyTree
+from jaxdist.core.values import is_static_leaf, join_static, split_static
+from jaxdist.launch import _slots
 from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
 from jaxdist.launch._tierfiles import _fmt, _read_token
 from jaxdist.launch._tierfiles import describe_tier as describe_tier

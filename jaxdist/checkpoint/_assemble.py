@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxdist.launch import _slots
 
-logger = logging.getLogger("jaxdist.launch.memstate")
+logger = logging.getLogger("jaxdist.checkpoint.memstate")
 
 
 class StateMismatchError(RuntimeError):
