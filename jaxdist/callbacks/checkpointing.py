@@ -203,6 +203,12 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, info: TrainInfo) -> None:
         self._consider(info, True)
 
+    def close(self) -> None:
+        # fit calls it last, also after an error: a save still in flight then finishes (the rerun
+        # resumes from it) or is reported lost in one line, rather than dying with the
+        # interpreter and leaving only its temporary directory.
+        _finish_saves(self.manager)
+
     def on_train_end(self, info: TrainInfo) -> None:
         self.manager.wait_until_finished()
         if self._last_saved is not None and jax.process_index() == 0:
@@ -210,6 +216,32 @@ class ModelCheckpoint(Callback):
 
             # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
             mark_final(self.manager.directory, self._last_saved)
+
+
+_FINISH_S = 120.0  # how long an ending fit waits for a save in flight (its peers may be gone)
+
+
+def _finish_saves(manager) -> None:
+    """Waits (at most ``_FINISH_S``) for ``manager``'s saves in flight; a save that fails or does
+    not finish is reported in one warning line, never raised over the error that ended ``fit``."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            manager.wait_until_finished()
+        except BaseException as e:  # noqa: BLE001 - reported below, in one line
+            failed.append(e)
+    waiter = threading.Thread(target=wait, name="jaxdist-finish-saves", daemon=True)
+    waiter.start()
+    waiter.join(_FINISH_S)
+    if waiter.is_alive():
+        logger.warning("a checkpoint save in %s did not finish within %g s (a peer process "
+                       "gone?); that step is lost, the rerun resumes from an older one",
+                       manager.directory, _FINISH_S)
+    elif failed:
+        logger.warning("%s", str(failed[0]).splitlines()[0] if str(failed[0]) else failed[0])
 
 
 def _state_step(state, default: int) -> int:
@@ -330,7 +362,10 @@ class BackupAndRestore(ModelCheckpoint):
             shutil.rmtree(self.manager.directory, ignore_errors=True)
 
     def close(self) -> None:
-        self._notice.uninstall()
-        self.memory.close()
+        try:
+            super().close()
+        finally:
+            self._notice.uninstall()
+            self.memory.close()
 
 

@@ -1,11 +1,12 @@
 """A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
 
-    ft_train.py OUT BACKUP [--fault kill|stop|stuck|none] [--rank R] [--at STEP] [--epochs E]
+    ft_train.py OUT BACKUP [--fault kill|stop|stuck|raise|none] [--rank R] [--at STEP] [--epochs E]
         [--zero-stage K]
 
 On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
 SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
-input pipeline that waits for ever; its peers wait inside the next step's collective). Rank 0 prints
+input pipeline that waits for ever; its peers wait inside the next step's collective), or raises
+a ValueError (``raise``: on every attempt, a fault that comes back). Rank 0 prints
 ``trained step N epoch E position P`` after each step, the step it
 resumed from (and whether from memory or from the backup), and writes the final parameters to OUT.
 The backup period is longer than the run, so only the in-memory tier can save work.
@@ -51,6 +52,8 @@ class Report(jaxdist.callbacks.Callback):
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
+        if args.fault == "raise" and me == args.rank and info.step == args.at:
+            raise ValueError(f"rank {me} found bad data after step {info.step}")
         if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
