@@ -232,6 +232,37 @@ def _shutdown_at_exit() -> None:
         except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to leave
             logger.info("jax.distributed.shutdown at exit: %s", e)
     atexit.register(shutdown)
+    if os.environ.get("JAXDIST_LAUNCH_ID") and _distributed_state().client is not None:
+        sys.excepthook = _exit_after_error(sys.excepthook)
+
+
+def _exit_after_error(print_error: Callable) -> Callable:
+    """An excepthook for a process of a launched job: prints the error, then exits with code 1 at
+    once.
+
+    The normal exit would run ``jax.distributed.shutdown()``, whose barrier waits for every peer,
+    while the peers wait for this process inside the step's collective: the job hung until the
+    hang timeout blamed a healthy rank. What the shutdown is for (peers that see a clean leave)
+    does not apply to a process that failed: the launcher ends the group as soon as one exits.
+    Before the exit: ``fit`` has already finished or reported its saves in flight and written the
+    in-memory tier (its callbacks' ``close``); the heartbeat's last progress and the output are
+    flushed here.
+    """
+    def hook(kind, value, tb):
+        try:
+            print_error(kind, value, tb)
+            from jaxdist.launch import heartbeat
+
+            beat = heartbeat._current  # made by the training loop, if it ran
+            if beat is not None:
+                beat.close()
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+    return hook
 
 
 def _join_autodetected(timeout_s: float) -> ClusterSpec:
