@@ -89,3 +89,41 @@ def test_an_error_during_training_keeps_the_backup_whose_save_was_in_flight(tmp_
                             capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr
     assert "resumed from backup 5" in second.stdout, second.stdout + second.stderr
+
+
+def _fit_with_backup(backup_dir, epochs=1):
+    import jaxdist
+    from jaxdist import models
+
+    (x, y), _ = jaxdist.datasets.digits()
+    x, y = x[:256], y[:256]
+    strategy = jaxdist.MirroredStrategy()
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=1)
+    backup = jaxdist.callbacks.BackupAndRestore(str(backup_dir), every_n_steps=1000)
+    jaxdist.fit(strategy.step(models.classifier_train_step), state,
+                strategy.distribute((x, y), 64), epochs=epochs, callbacks=[backup], verbose=0)
+    return backup
+
+
+def test_a_kept_state_directory_is_not_resumed_by_another_job(tmp_path, monkeypatch, caplog):
+    # before: a later, different training with JAXDIST_STATE_DIR still set (same model shapes, a
+    # fresh BackupAndRestore folder) resumed from the other job's in-memory state
+    from jaxdist.checkpoint import memstate
+
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv(memstate.ENV_STATE_DIR, str(state_dir))
+    monkeypatch.setenv(memstate.ENV_EVERY, "1")
+    first = _fit_with_backup(tmp_path / "job-a")
+    assert first.restored_from is None
+    kept = sorted(os.listdir(state_dir))
+    again = _fit_with_backup(tmp_path / "job-a", epochs=2)  # the same job: resumes from memory
+    assert again.restored_from == "memory", kept
+    caplog.clear()
+    other = _fit_with_backup(tmp_path / "job-b")
+    assert other.restored_from is None
+    assert "belongs to another job" in caplog.text, caplog.text
+    # and the other job's snapshots are left as they were (the tier is off for this run)
+    import jaxdist.launch._slots as slots
+
+    steps = [h["step"] for _, _, h in slots.slots(str(state_dir))]
+    assert max(steps) >= 4, steps

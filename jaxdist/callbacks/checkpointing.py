@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 
@@ -292,6 +293,8 @@ class BackupAndRestore(ModelCheckpoint):
         self.restored_step: int | None = None
         self.restored_from: str | None = None
         self.memory = StateTier()
+        # The tier's snapshots belong to this job: the one that backs up here.
+        self.memory.owner = directory if "://" in str(directory) else os.path.realpath(directory)
 
     def on_train_begin(self, info: TrainInfo) -> Resume | None:
         self._notice.install()

@@ -194,6 +194,10 @@ class StateTier:
         self._writes_replicated = _writes_replicated()
         self.last_written: int | None = None
         self.skipped = 0
+        # The job these snapshots belong to (BackupAndRestore's folder); written beside them at
+        # the first save and checked before a resume, so that a kept state directory left set
+        # for another training is refused rather than resumed from.
+        self.owner: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -321,6 +325,11 @@ class StateTier:
                       "directory with room")
             return False
         self._bytes = need
+        if self.owner is not None and not os.path.exists(_owner_path(self.directory)):
+            try:
+                write_atomic(_owner_path(self.directory), json.dumps({"owner": self.owner}).encode())
+            except OSError:
+                pass  # a full directory: the slots' own writes will say so
         self._cadence = _Cadence(self._every, self._budget,
                                  host_is_device=jax.default_backend() == "cpu", nbytes=need)
         for target, name in ((self._writer, "jaxdist-memstate"),
@@ -530,7 +539,7 @@ class StateTier:
           RejoinRequired: another process's state differs; this one ends (status 0) so that
             the job re-forms without it.
         """
-        if self.directory is None:
+        if self.directory is None or self._refuses():
             return None
         try:
             _assemble.check_same_state(self.directory, target)
@@ -552,6 +561,33 @@ class StateTier:
         source = jax.process_index() if how == "its own host" else -1
         return Snapshot(step, state, data, source)
 
+    def _refuses(self) -> bool:
+        """Whether (after one warning line) the snapshots belong to another job; every process
+        learns whether any refuses (a collective), so that all of them resume alike."""
+        why = None
+        if self.owner is not None:
+            try:
+                with open(_owner_path(self.directory), "rb") as f:
+                    theirs = json.loads(f.read())["owner"]
+            except FileNotFoundError:
+                theirs = self.owner  # nothing saved yet (or by a version without owners)
+            except (OSError, ValueError, KeyError, TypeError):
+                theirs = "(unreadable)"
+            if theirs != self.owner:
+                why = (f"the in-memory state in {self.directory} belongs to another job (backed up "
+                       f"to {theirs}; this one backs up to {self.owner}): not resumed from it, and "
+                       "the tier is off for this run so that it stays intact. Unset "
+                       "JAXDIST_STATE_DIR, or set it to this job's kept state")
+        refused = any(_assemble.allgather_json(why is not None)) if jax.process_count() > 1 \
+            else why is not None
+        if why is not None:
+            logger.warning("%s", why)
+            self._disabled = True
+        elif refused:
+            logger.warning("another process's in-memory state belongs to another job: the job "
+                           "does not resume from memory")
+        return refused
+
     def _outcome(self, what: dict) -> None:
         """Tells this host's agent why this process ends (``outcome.json`` beside its slots)."""
         try:
@@ -571,6 +607,10 @@ class StateTier:
         for thread in self._threads:
             thread.join(timeout=1.0)
         self._threads = []
+
+
+def _owner_path(directory: str) -> str:
+    return os.path.join(directory, "owner.json")
 
 
 def _free_bytes(directory: str) -> int:
