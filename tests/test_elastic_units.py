@@ -64,17 +64,30 @@ def test_rendezvous_store_namespaces_jobs_and_reports_ages():
 def test_state_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     import tempfile
 
+    from jaxdist.launch import _owned
     from jaxdist.launch import group as launch_group
 
     monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else
                         os.path.exists(p) and not os.path.isfile(p))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess_pid_that_exited()
-    (tmp_path / f"jaxdist-state-{dead}-abc").mkdir()
-    (tmp_path / f"jaxdist-state-{os.getpid()}-def").mkdir()
-    made = launch_group._make_state_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"jaxdist-state-{os.getpid()}-def", os.path.basename(made)])
+    gone, fd = _owned.make(f"jaxdist-state-{dead}-", str(tmp_path))
+    os.close(fd)  # its launcher died: the lock is free
+    live, live_fd = _owned.make(f"jaxdist-state-{dead}-", str(tmp_path))
+    # issue 37: a live job in another PID namespace (its pid looks dead from here) keeps its state
+    # and compile cache; one never marked as owned (older launchers) cannot be proven stale
+    cache, cache_fd = _owned.make(f"jaxdist-xla-cache-{dead}-", str(tmp_path))
+    (tmp_path / f"jaxdist-state-{dead}-unmarked").mkdir()
+    try:
+        made, made_fd = launch_group._make_state_dir()
+        os.close(made_fd)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [os.path.basename(live), os.path.basename(cache), f"jaxdist-state-{dead}-unmarked",
+             os.path.basename(made)])
+        assert not os.path.exists(gone)
+    finally:
+        os.close(live_fd)
+        os.close(cache_fd)
 
 
 def subprocess_pid_that_exited() -> int:

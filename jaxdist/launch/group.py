@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.launch import _placement, _slots, _tierfiles, reaper
+from jaxdist.launch import _owned, _placement, _slots, _tierfiles, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
     ENV_NUM_PROCESSES,
@@ -115,33 +115,19 @@ def _die_with_parent(command: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
-def _make_state_dir() -> str:
-    """A private directory for the job's in-memory state tier, in shared memory if there is one.
+def _make_state_dir() -> tuple[str, int]:
+    """A private directory for the job's in-memory state tier, in shared memory if there is one,
+    and the descriptor whose lock claims it (``jaxdist.launch._owned``).
 
-    Its name carries this launcher's pid; directories left by launchers that died without
-    cleaning up (SIGKILL) are removed here.
+    Directories left by launchers that died without cleaning up (SIGKILL) are removed here: only
+    those whose owner's lock is free, never one a live job holds (whatever its name's pid).
     """
     import tempfile
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = base or tempfile.gettempdir()
-    for where, pattern in ((root, r"jaxdist-state-(\d+)-\w+"),
-                           (tempfile.gettempdir(), r"jaxdist-xla-cache-(\d+)-\w+")):
-        for name in os.listdir(where):
-            match = re.fullmatch(pattern, name)
-            if match and not _alive(int(match[1])):
-                shutil.rmtree(os.path.join(where, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"jaxdist-state-{os.getpid()}-", dir=base)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's: not ours to judge
-    return True
+    _owned.remove_stale(base or tempfile.gettempdir(), r"jaxdist-state-\d+-\w+")
+    _owned.remove_stale(tempfile.gettempdir(), r"jaxdist-xla-cache-\d+-\w+")
+    return _owned.make(f"jaxdist-state-{os.getpid()}-", base)
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -207,7 +193,7 @@ class _Launcher:
                 self._state_dir, self._own_state_dir = given, False
                 os.makedirs(given, exist_ok=True)
             else:
-                self._state_dir = _make_state_dir()
+                self._state_dir, self._state_lock = _make_state_dir()
         elif options.nnodes is not None:
             raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
         code = 1
@@ -229,6 +215,9 @@ class _Launcher:
                 shutil.rmtree(self._cache_dir, ignore_errors=True)
             if self._state_dir is not None and self._own_state_dir:
                 self._keep_or_remove_state(failed=code != 0 and self._signal is None)
+            for fd in (getattr(self, "_cache_lock", None), getattr(self, "_state_lock", None)):
+                if fd is not None:
+                    os.close(fd)  # gives the claim up (a kept directory is not reaped: its name)
 
     def _run_spmd(self, deadline: float | None) -> int:
         options = self._options
@@ -252,7 +241,8 @@ class _Launcher:
         import tempfile
 
         if getattr(self, "_cache_dir", None) is None:
-            self._cache_dir = tempfile.mkdtemp(prefix=f"jaxdist-xla-cache-{os.getpid()}-")
+            self._cache_dir, self._cache_lock = _owned.make(
+                f"jaxdist-xla-cache-{os.getpid()}-", tempfile.gettempdir())
         return self._cache_dir
 
     def child_env(self, extra: Mapping[str, str], attempt: int, *,
