@@ -127,3 +127,29 @@ def test_a_kept_state_directory_is_not_resumed_by_another_job(tmp_path, monkeypa
 
     steps = [h["step"] for _, _, h in slots.slots(str(state_dir))]
     assert max(steps) >= 4, steps
+
+
+def test_a_full_state_directory_never_takes_the_launcher_down(tmp_path, monkeypatch):
+    # before: with /dev/shm full, the survivors' flush after a rank's failure raised OSError
+    # (ENOSPC) out of the launcher, which died without restarting the job
+    import errno
+
+    from jaxdist.launch import _tierfiles, group
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    said = []
+    launcher = group._Launcher(["train.py"], group._Options(num_processes=2),
+                               lambda stream, data: said.append(data.decode()), _env(), None)
+    launcher._state_dir = str(tmp_path)
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "flush-watch").write_text("1")
+    monkeypatch.setattr(_tierfiles, "write_atomic", full)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        launcher.flush_survivors({0: proc})
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any("No space left on device" in line and "going on" in line for line in said), said

@@ -362,9 +362,16 @@ class _Launcher:
         of the state (``jaxdist.checkpoint.memstate``), and waits a few seconds for them. For a
         replicated state any survivor's copy holds the whole step, so the restart loses at
         most the steps since that copy, not since the last write."""
-        d = self._state_dir
-        if d is None:
+        if self._state_dir is None:
             return
+        try:
+            self._flush_survivors(procs)
+        except OSError as e:  # the tier is optional: never the launcher's end (a full /dev/shm)
+            self.say(f"could not ask the survivors to write their in-memory state ({e}); going on "
+                     "without it")
+
+    def _flush_survivors(self, procs: Mapping[int, subprocess.Popen]) -> None:
+        d = self._state_dir
         alive = {r: p for r, p in procs.items()
                  if p.poll() is None and _tierfiles.watches_flush(d, r)
                  and hang_process_state(p.pid) != "stopped"}
