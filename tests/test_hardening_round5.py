@@ -153,3 +153,49 @@ def test_a_full_state_directory_never_takes_the_launcher_down(tmp_path, monkeypa
         proc.kill()
         proc.wait()
     assert any("No space left on device" in line and "going on" in line for line in said), said
+
+
+class _Store:
+    def __init__(self):
+        self.keys = {}
+
+    def set(self, key, value):
+        self.keys[key] = value
+
+
+@pytest.mark.parametrize("store_has", ["a", "b"])
+def test_elastic_refusal_keeps_the_store_hosts_identity_on_a_tie(store_has):
+    # before: the job's identity was the most common among the agents registered so far, and a
+    # 1:1 tie went either way (the store-serving agent was refused in 2 of 5 runs); here one of
+    # the two parametrizations refused the store's host, whichever way the tie went
+    from jaxdist.launch.elastic import Agent
+
+    kinds = {"a": {"jaxdist": "1", "jax": "0.10.2", "devices_per_process": 2},
+             "b": {"jaxdist": "1", "jax": "0.10.2", "devices_per_process": 4}}
+    other = "b" if store_has == "a" else "a"
+    agent = object.__new__(Agent)
+    agent.identity, agent.store, agent.id = kinds[store_has], _Store(), "store-agent"
+    agent.say = lambda message: None
+    ready = {"store-agent": {"identity": kinds[store_has]}, "other": {"identity": kinds[other]}}
+    for order in (ready, dict(reversed(ready.items()))):
+        agent.store.keys.clear()
+        assert list(agent._refuse_mismatched(order, None)) == ["store-agent"]
+        assert list(agent.store.keys) == ["rejected/other"]
+
+
+@pytest.mark.multiprocess
+def test_an_agent_whose_job_never_formed_exits_non_zero(tmp_path):
+    # before: "fewer than 2 agents registered ... exiting" and status 0: a scheduler recorded
+    # success for a job that never ran
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('never started')\n")
+    out = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch", "-n", "1", "--nnodes", "2",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
+                          str(script)], env=_env(), capture_output=True, text=True, timeout=120)
+    assert "fewer than 2 agents registered within 2 s" in out.stderr, out.stderr
+    assert out.returncode == 1, out.stderr

@@ -32,7 +32,6 @@ round yet has no one to move to and exits with status 1.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets
@@ -158,13 +157,11 @@ class Agent:
 
     def _refuse_mismatched(self, ready: dict, prev: list | None) -> dict:
         """Leaves out (and marks refused) the agents whose jaxdist or JAX version or devices per
-        process differ from the job's: the last round's, or for the first round the most common
-        among those registered. A mismatched host would abort every round in its collectives."""
-        if prev:
-            job = prev[0][1].get("identity")
-        else:
-            kinds = [json.dumps(v.get("identity"), sort_keys=True) for v in ready.values()]
-            job = json.loads(max(set(kinds), key=kinds.count)) if kinds else None
+        process differ from the job's: the last round's, or for the first round the store's
+        host's. A mismatched host would abort every round in its collectives."""
+        # Before any round, the job is the store's host's (this agent: the closer runs there), not
+        # the most common so far: with one host of each kind either could have been refused.
+        job = prev[0][1].get("identity") if prev else self.identity
         if job is None:
             return ready
         out = {}
@@ -243,7 +240,7 @@ class Agent:
                     if quorum is not None and quorum.get("round") == self.store.get("open"):
                         self.say(f"{_quorum_message(quorum['here'], quorum['of'], quorum['moved'])}"
                                  f"; after {self.rdzv_timeout_s:g} s, exiting")
-                        return 0 if clean else 1
+                        return 0 if clean and self._round >= 0 else 1
                     here = sorted(f"{host} (agent {k})" for k, host in self._alive_agents().items())
                     self.say(f"fewer than {self.min} agents registered within "
                              f"{self.rdzv_timeout_s:g} s ({len(here)} did: "
@@ -251,7 +248,9 @@ class Agent:
                              "needed: start `jaxdist launch` with the same --rdzv-endpoint "
                              "and --rdzv-id on the missing hosts, or lower MIN in --nnodes); "
                              "exiting")
-                    return 0 if clean else 1
+                    # 0 only after a round that ended cleanly (its state is in the backup): a
+                    # job that never formed has not succeeded, whatever a scheduler records
+                    return 0 if clean and self._round >= 0 else 1
                 if outcome in ("done", "left", "signal", "refused"):
                     return code
                 clean = outcome == "drained"
@@ -392,24 +391,7 @@ class Agent:
                                 f"{describe_exit(code)}", code if code > 0 else 128 - code,
                                 [first + i])
             if all(code == 0 for code in codes):
-                if any(o and "reform" in o for o in outcomes.values()):
-                    self.say(f"round {n}: a host was refused (another state than the job's); "
-                             "the job re-forms without it")
-                    return "drained", 0
-                if self._leaving:
-                    self.say(f"left the job at step {self._stop if draining else 'end'}")
-                    if self.server is not None:
-                        self._serve_until_done()
-                    return "left", 0
-                if draining and self._reached(detector, self._stop):
-                    self.say(f"stopped at step {self._stop} to re-form the job")
-                    return "drained", 0
-                # every process finished training (before any stop step that was asked for)
-                try:
-                    self.store.set("done", 1)
-                except RendezvousError:
-                    pass  # a silent store: the agents that still need it learn it from JAX
-                return "done", 0
+                return self._ended(n, outcomes, detector, draining)
             hung = detector.check([first + i for i, c in enumerate(codes) if c is None])
             if hung and not draining:
                 for h in hung:
@@ -455,19 +437,49 @@ class Agent:
                 return fail(f"host(s) {lost} lost (agent silent for more than "
                             f"{self.host_timeout_s:g} s)")
             if stop is None and (joiners or self._leaving or (leaving & set(ids))):
-                steps = [b.dispatched for b in detector.progress().values() if b is not None]
-                if steps:  # a stop step needs a step to count from
-                    step_s = detector.median_step_s() or 0.05
-                    # at least two calls ahead: a call may run several steps
-                    # (steps_per_execution), and the stop is seen at a call's end
-                    ahead = max(4, 2 * detector.largest_jump,
-                                math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
-                    why = "a host joins" if joiners else "a host leaves"
-                    stop = self.store.set_if_absent(f"r{n}/drain", max(steps) + ahead)
-                    self.say(f"{why}: asking every process to stop at step {stop}")
+                stop = self._ask_stop(n, detector, "a host joins" if joiners else "a host leaves")
             if stop is not None and not draining:
                 draining, self._stop = True, stop
-                write_stop(self.l._state_dir, stop)
+                try:
+                    write_stop(self.l._state_dir, stop)
+                except OSError as e:  # a full /dev/shm: the tier never takes the agent down
+                    self.say(f"could not ask this host's processes to stop at step {stop} ({e})")
+
+    def _ended(self, n: int, outcomes: dict, detector: HangDetector,
+               draining: bool) -> tuple[str, int]:
+        """What a round whose processes on this host all exited with status 0 came to."""
+        if any(o and "reform" in o for o in outcomes.values()):
+            self.say(f"round {n}: a host was refused (another state than the job's); "
+                     "the job re-forms without it")
+            return "drained", 0
+        if self._leaving:
+            self.say(f"left the job at step {self._stop if draining else 'end'}")
+            if self.server is not None:
+                self._serve_until_done()
+            return "left", 0
+        if draining and self._reached(detector, self._stop):
+            self.say(f"stopped at step {self._stop} to re-form the job")
+            return "drained", 0
+        # every process finished training (before any stop step that was asked for)
+        try:
+            self.store.set("done", 1)
+        except RendezvousError:
+            pass  # a silent store: the agents that still need it learn it from JAX
+        return "done", 0
+
+    def _ask_stop(self, n: int, detector: HangDetector, why: str) -> int | None:
+        """Proposes a stop step a little ahead of this host's progress (the first proposal in
+        the store wins); None while no step has run to count from."""
+        steps = [b.dispatched for b in detector.progress().values() if b is not None]
+        if not steps:
+            return None
+        step_s = detector.median_step_s() or 0.05
+        # at least two calls ahead: a call may run several steps (steps_per_execution), and the
+        # stop is seen at a call's end
+        ahead = max(4, 2 * detector.largest_jump, math.ceil(_DRAIN_LEAD_S / max(step_s, 1e-3)))
+        stop = self.store.set_if_absent(f"r{n}/drain", max(steps) + ahead)
+        self.say(f"{why}: asking every process to stop at step {stop}")
+        return stop
 
     def _reached(self, detector: HangDetector, stop: int | None) -> bool:
         """Whether this host's processes stopped at the agreed step (not earlier: they finished
