@@ -199,3 +199,62 @@ def test_an_agent_whose_job_never_formed_exits_non_zero(tmp_path):
                           str(script)], env=_env(), capture_output=True, text=True, timeout=120)
     assert "fewer than 2 agents registered within 2 s" in out.stderr, out.stderr
     assert out.returncode == 1, out.stderr
+
+
+_USAGE_ERRORS = [  # argv, what the one line says
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "nan"],
+     "--rdzv-last-call: expected a number >= 0"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "inf"],
+     "--rdzv-last-call: expected a number >= 0"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-timeout", "1e-9"],
+     "--rdzv-timeout: expected a number >= 1"),
+    (["--timeout", "nan"], "--timeout: expected a number > 0"),
+    (["--hang-timeout", "inf"], "--hang-timeout: expected a number > 0"),
+    (["--init-timeout", "-1"], "--init-timeout: expected a number > 0"),
+    (["--grace-period", "nan"], "--grace-period: expected a number >= 0"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "j" * 600],
+     "rdzv_id = "),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "jöb"],
+     "at most 128 printable ASCII characters"),
+]
+
+
+@pytest.mark.parametrize("argv, says", _USAGE_ERRORS, ids=[" ".join(a[-2:])[:30]
+                                                            for a, _ in _USAGE_ERRORS])
+def test_launcher_options_out_of_range_are_one_usage_line(argv, says, capsys):
+    # before: nan/inf and 1e-9 were taken (--rdzv-last-call nan hung for ever), a 600-character
+    # or non-ASCII --rdzv-id failed later with a traceback
+    with pytest.raises(SystemExit) as info:
+        launch.main(["-n", "1", *argv, "x.py"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert says in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+def test_an_agent_waiting_for_its_round_answers_sigterm(tmp_path):
+    # before: the join loop ignored SIGTERM and waited for the whole --rdzv-timeout
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "never.py"
+    script.write_text("pass\n")
+    agent = subprocess.Popen([sys.executable, "-m", "jaxdist.cli", "launch", "-n", "1", "--nnodes",
+                              "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "600",
+                              str(script)], env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        for line in agent.stderr:
+            if "serving the rendezvous store" in line:
+                break
+        time.sleep(1.0)  # registered and waiting for a second agent
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=60)
+    finally:
+        agent.kill()
+        agent.wait()
+    assert code == 128 + signal.SIGTERM

@@ -233,7 +233,7 @@ class Agent:
                     if self.l._signal is not None:
                         self.say(f"received {signal.Signals(self.l._signal).name} between "
                                  "rounds; leaving")
-                        return 0 if clean else 128 + self.l._signal
+                        return 0 if clean and self._round >= 0 else 128 + self.l._signal
                     if self.store.get("done"):
                         return 0
                     quorum = self.store.get("quorum")
@@ -300,6 +300,8 @@ class Agent:
                 "order": order, "identity": self.identity})
             while time.monotonic() < deadline and self.store.get("open") == n:
                 time.sleep(0.05)
+                if self.l._signal is not None:
+                    return None  # SIGTERM while waiting for a round: leave now, not at the deadline
                 refused = self.store.get(f"rejected/{self.id}")
                 if refused:
                     raise Refused(refused)

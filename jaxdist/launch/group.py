@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -94,7 +95,17 @@ class _Options:
               "HOST:PORT together with --nnodes (and only with it)")
         check("rdzv_id", bool(self.rdzv_id) and "/" not in self.rdzv_id,
               "a non-empty name without '/'")
-        check("rdzv_timeout_s", self.rdzv_timeout_s > 0, "> 0 seconds")
+        check("rdzv_timeout_s", 1 <= self.rdzv_timeout_s <= _MAX_S, "1 to 1e7 seconds")
+        check("rdzv_last_call_s", 0 <= self.rdzv_last_call_s <= _MAX_S, "0 to 1e7 seconds")
+        check("rdzv_id", len(self.rdzv_id) <= 128 and self.rdzv_id.isascii()
+              and self.rdzv_id.isprintable(), "at most 128 printable ASCII characters")
+        for name in ("timeout_s", "grace_period_s", "hang_timeout_s", "init_timeout_s"):
+            value = getattr(self, name)  # nan passes every comparison above: it waits for ever
+            check(name, value is None or math.isfinite(value) and value <= _MAX_S,
+                  "a finite number of seconds, at most 1e7")
+
+
+_MAX_S = 1e7  # the longest wait an option may ask for (about 116 days)
 
 
 # Run before the rank's own interpreter: ask for SIGKILL when the parent (the launcher) dies,

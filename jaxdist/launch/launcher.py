@@ -34,7 +34,7 @@ import dataclasses
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxdist import _output
 from jaxdist.launch import reaper
@@ -191,6 +191,16 @@ def _count(flag: str):
     return parse
 
 
+_MAX_SECONDS = 1e7  # about 116 days: longer is a typo, and time arithmetic stays exact
+
+
+def _seconds(*, above: float | None = None, at_least: float | None = None,
+             example: float) -> Callable[[str], float]:
+    """An argparse type for a duration: finite (``nan`` and ``inf`` would wait for ever) and in
+    range, with the one-line error of ``jaxdist._output.real``."""
+    return _output.real(above=above, at_least=at_least, at_most=_MAX_SECONDS, example=example)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxdist launch",
@@ -215,17 +225,18 @@ def _parser() -> argparse.ArgumentParser:
                              "(--ps jobs: each failed worker / server, R times each)")
     parser.add_argument("--port", type=_count("--port"),
                         help="coordinator port (default: a free one)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_seconds(above=0, example=3600), metavar="SECONDS",
                         help="kill the job after this long (exit code 124)")
-    parser.add_argument("--grace-period", type=float, default=20.0, metavar="SECONDS",
+    parser.add_argument("--grace-period", type=_seconds(at_least=0, example=20), default=20.0,
+                        metavar="SECONDS",
                         help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show every output line, gloo's per-connection lines too "
                              "(also: JAXDIST_VERBOSE=1)")
-    parser.add_argument("--hang-timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--hang-timeout", type=_seconds(above=0, example=60), metavar="SECONDS",
                         help="a rank that completes no step for this long is hung and handled "
                              "as a failure (default: 50 x the median step time, 60-300 s)")
-    parser.add_argument("--init-timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--init-timeout", type=_seconds(above=0, example=300), metavar="SECONDS",
                         help="how long jaxdist.initialize() waits for all processes to join "
                              "(default 300)")
     parser.add_argument("--nnodes", metavar="MIN:MAX",
@@ -235,9 +246,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the rendezvous store (the agent that can bind it serves it)")
     parser.add_argument("--rdzv-id", default="jaxdist", metavar="JOB",
                         help="the job's name in the rendezvous store")
-    parser.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--rdzv-timeout", type=_seconds(at_least=1, example=120), default=120.0,
+                        metavar="SECONDS",
                         help="how long an agent waits for MIN agents to register")
-    parser.add_argument("--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
+    parser.add_argument("--rdzv-last-call", type=_seconds(at_least=0, example=10), default=10.0,
+                        metavar="SECONDS",
                         help="the first round closes this long after the first agent "
                              "registered (at once when MAX have)")
     return parser
