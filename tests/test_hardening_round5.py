@@ -258,3 +258,38 @@ def test_an_agent_waiting_for_its_round_answers_sigterm(tmp_path):
         agent.kill()
         agent.wait()
     assert code == 128 + signal.SIGTERM
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("token", [None, "right"])
+def test_stalled_unauthenticated_calls_do_not_silence_the_rendezvous_store(token):
+    # before: 8 handler threads, each waiting for a message that never completes (the token was
+    # checked only once it had): every honest call timed out
+    import threading
+
+    import grpc
+
+    from jaxdist.launch.rendezvous import RendezvousClient, serve
+
+    server, port = serve("127.0.0.1:0", token=token, own_job="job")
+    stop = threading.Event()
+
+    def never():
+        stop.wait(60)
+        return
+        yield
+
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.use_local_subchannel_pool", 1)]) for _ in range(20)]
+    try:
+        stalled = [ch.stream_unary("/jaxdist.Rendezvous/get").future(never(), timeout=60)
+                   for ch in channels for _ in range(10)]
+        honest = RendezvousClient(f"127.0.0.1:{port}", "job", timeout_s=5.0, token=token)
+        honest.set("k", 1)
+        assert [honest.get("k") for _ in range(10)] == [1] * 10
+    finally:
+        stop.set()
+        for ch in channels:
+            ch.close()
+        server.stop(0)
+    assert all(f.done() for f in stalled)

@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 
 from jaxdist.launch.cluster import split_address
+from jaxdist.launch.receive import Cancelled, Full, ReceiveLimits, Receiver
 
 _SERVICE = "jaxdist.Rendezvous"
 _METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix")
@@ -274,6 +275,44 @@ def _stop_at_exit(ref: weakref.ref) -> None:
         server.stop(None)
 
 
+_THREADS = 32
+MAX_STREAMS = 8
+"""Calls one connection may have open at once (an agent makes a few at a time)."""
+_RECEIVE_LIMITS = ReceiveLimits(chunk_timeout_s=1.0, body_timeout_s=2.0, slow_after_s=0.1,
+                                max_slow_per_peer=4, max_receiving=_THREADS // 2)
+
+
+def _one_message(requests, receipt) -> bytes:
+    """A call's single message (an empty one, refused as such, if the caller sent none)."""
+    try:
+        for message in requests:
+            receipt.last = time.monotonic()
+            return message
+    except grpc.RpcError:
+        raise Cancelled() from None
+    return b""
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Refuses a call without the token from its metadata, before its message is read: an
+    unauthenticated caller gets no handler thread to hold."""
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(
+            "x-jaxdist-rdzv-token", "")
+        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent),
+                               self._token):
+            return continuation(handler_call_details)
+
+        def deny(_requests, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing rendezvous token "
+                          f"(set {ENV_TOKEN} alike on every host)")
+        return grpc.stream_unary_rpc_method_handler(deny)
+
+
 def serve(address: str, *, token: str | None = None,
           own_job: str | None = None) -> tuple[StoreServer, int] | None:
     """Serves a store on ``address`` (``host:port``); None if the port is taken (another agent).
@@ -296,15 +335,19 @@ def serve(address: str, *, token: str | None = None,
     """
     store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
+    # Bodies are read as a stream under limits (jaxdist.launch.receive): a caller that holds its
+    # message back holds a handler thread for at most a second, and only a few per host, so a
+    # flood of such calls leaves threads free for honest ones, whose message comes at once.
+    receiver = Receiver(_RECEIVE_LIMITS, name="rdzv-receive-watch")
 
     def handler(method):
-        def call(request: bytes, context) -> bytes:
-            if token:
-                sent = dict(context.invocation_metadata()).get("x-jaxdist-rdzv-token", "")
-                if not hmac.compare_digest(sent.encode(), token.encode()):
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                  f"wrong or missing rendezvous token (set {ENV_TOKEN} alike on "
-                                  "every host)")
+        def call(requests, context) -> bytes:
+            try:
+                request = receiver.read(requests, context, _one_message)
+            except Full as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except Cancelled:
+                return b""  # nobody reads the reply
             try:  # a reply is encoded as strictly as a request is read
                 return _dumps(store.handle(method, _decode(request)))
             except OverflowError as e:
@@ -314,13 +357,15 @@ def serve(address: str, *, token: str | None = None,
             except RecursionError:  # JSON nested past the interpreter's limit
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is nested "
                               "too deeply")
-        return grpc.unary_unary_rpc_method_handler(call)
+        return grpc.stream_unary_rpc_method_handler(call)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS),
                          handlers=[grpc.method_handlers_generic_handler(
                              _SERVICE, {m: handler(m) for m in _METHODS})],
+                         interceptors=[_TokenCheck(token)] if token else [],
                          options=[("grpc.so_reuseport", 0),
-                                  ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+                                  ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                                  ("grpc.max_concurrent_streams", MAX_STREAMS)])
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:
@@ -365,16 +410,26 @@ class RendezvousClient:
 
     def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
         if method not in self._stubs:
-            self._stubs[method] = self._channel.unary_unary(f"/{_SERVICE}/{method}")
+            self._stubs[method] = self._channel.stream_unary(f"/{_SERVICE}/{method}")
         request = _dumps(req)  # ValueError for a value the store would refuse
-        try:
-            reply = self._stubs[method](request, timeout=timeout_s or self._timeout,
-                                        wait_for_ready=True, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
-                                  f"{e.code().name}: {e.details()}") from None
-        except ValueError as e:  # the channel was closed (the store moved; another thread's call)
-            raise RendezvousError(f"rendezvous store at {self.address}: {method}: {e}") from None
+        end = time.monotonic() + (timeout_s or self._timeout)
+        while True:
+            try:
+                reply = self._stubs[method](iter((request,)),
+                                            timeout=max(0.01, end - time.monotonic()),
+                                            wait_for_ready=True, metadata=self._metadata)
+                break
+            except grpc.RpcError as e:
+                # A store busy refusing a flood of stalled calls: try again within the deadline.
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_receiving" in str(
+                        e.details()) and time.monotonic() < end - 0.05:
+                    time.sleep(0.05)
+                    continue
+                raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
+                                      f"{e.code().name}: {e.details()}") from None
+            except ValueError as e:  # the channel was closed (the store moved; another thread's)
+                raise RendezvousError(f"rendezvous store at {self.address}: {method}: {e}") \
+                    from None
         try:
             return _loads(reply)
         except (ValueError, RecursionError) as e:

@@ -33,6 +33,8 @@ import grpc
 import numpy as np
 
 from jaxdist.launch.cluster import ENV_PS_TOKEN
+from jaxdist.launch.receive import Cancelled, Full, Receipt, Receiver
+from jaxdist.launch.receive import ReceiveLimits as ReceiveLimits
 from jaxdist.ps import wire
 from jaxdist.ps._retry import retry
 from jaxdist.ps.optim import OptimizerSpec
@@ -257,86 +259,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(deny)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReceiveLimits:
-    """How long and how many handler threads a request body may take (see :func:`serve`).
-
-    Attributes:
-      chunk_timeout_s: longest wait for the next chunk of a body; a stalled body is cancelled.
-      body_timeout_s: longest a whole body may take to arrive.
-      slow_after_s: a body still arriving after this long counts as slow.
-      max_slow_per_peer: most slow bodies one peer host may have arriving at once; one more is
-        cancelled.
-      max_receiving: most calls of the server receiving their bodies at once; one more is refused
-        at once (``resource_exhausted``) so that they never hold every handler thread.
-    """
-
-    chunk_timeout_s: float = 10.0
-    body_timeout_s: float = 300.0
-    slow_after_s: float = 0.5
-    max_slow_per_peer: int = 8
-    max_receiving: int = 16
-
-    def __post_init__(self):
-        for name in ("chunk_timeout_s", "body_timeout_s", "slow_after_s"):
-            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo_open=True, hi=1e6)
-        for name in ("max_slow_per_peer", "max_receiving"):
-            check_number(f"ReceiveLimits.{name}", getattr(self, name), lo=1, integer=True)
-
-
-class _Receipt:
-    __slots__ = ("context", "host", "start", "last", "slow")
-
-    def __init__(self, context, host: str):
-        self.context, self.host = context, host
-        self.start = self.last = time.monotonic()
-        self.slow = False
-
-
-class _Receiver:
-    """Reads request bodies chunk by chunk under :class:`ReceiveLimits`; one watchdog thread
-    cancels the calls whose bodies stall, take too long, or are slow beyond a peer's share."""
+class _Receiver(Receiver):
+    """:class:`jaxdist.launch.receive.Receiver` for :mod:`jaxdist.ps.wire` messages, whose header
+    declares their size (checked against the call's limit before the body is buffered)."""
 
     def __init__(self, limits: ReceiveLimits):
-        self.limits = limits
-        self._lock = threading.Condition()
-        self._active: set[_Receipt] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="ps-receive-watch")
-        self._thread.start()
-        self.cancelled = 0  # calls cut by the watchdog (for tests and status)
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _watch(self) -> None:
-        lim = self.limits
-        while not self._stop.wait(0.05):
-            now = time.monotonic()
-            cut = []
-            with self._lock:
-                slow: dict[str, int] = {}
-                for r in self._active:
-                    slow[r.host] = slow.get(r.host, 0) + r.slow
-                for r in sorted(self._active, key=lambda r: r.start):
-                    if (now - r.last > lim.chunk_timeout_s
-                            or now - r.start > lim.body_timeout_s):
-                        cut.append(r)
-                    elif not r.slow and now - r.start > lim.slow_after_s:
-                        if slow.get(r.host, 0) >= lim.max_slow_per_peer:
-                            cut.append(r)
-                        else:
-                            r.slow = True
-                            slow[r.host] = slow.get(r.host, 0) + 1
-                for r in cut:
-                    self._active.discard(r)
-                self.cancelled += len(cut)
-                if cut:
-                    self._lock.notify(len(cut))
-            for r in cut:
-                logger.warning("cancelling a call from %s whose request body is stalled or too "
-                               "slow (%.1fs)", r.host, now - r.start)
-                r.context.cancel()
+        super().__init__(limits, name="ps-receive-watch")
 
     def receive(self, requests, context: grpc.ServicerContext, limit: int) -> bytes | memoryview:
         """The request's bytes, assembled from its chunks.
@@ -347,26 +275,16 @@ class _Receiver:
           WireError: the chunks do not add up to the message they declare.
           _Gone: the call was cancelled (by its caller or the watchdog).
         """
-        peer = context.peer() or "unknown"
-        receipt = _Receipt(context, peer.rsplit(":", 1)[0])
-        with self._lock:
-            # a full house frees within slow_after_s (the watchdog cuts slow bodies past a
-            # peer's share), so an honest call waits that long before it is refused
-            if not self._lock.wait_for(lambda: len(self._active) < self.limits.max_receiving,
-                                       self.limits.slow_after_s * 2):
-                raise PushRejected(f"{len(self._active)} calls are already sending their requests "
-                                   "to this server (ReceiveLimits.max_receiving); retry later",
-                                   "resource_exhausted")
-            self._active.add(receipt)
         try:
-            return self._assemble(requests, receipt, limit)
-        finally:
-            with self._lock:
-                self._active.discard(receipt)
-                self._lock.notify()
+            return self.read(requests, context,
+                             lambda chunks, receipt: self._assemble(chunks, receipt, limit))
+        except Full as e:
+            raise PushRejected(str(e), "resource_exhausted") from None
+        except Cancelled:
+            raise _Gone() from None
 
     @staticmethod
-    def _assemble(requests, receipt: _Receipt, limit: int) -> bytes | memoryview:
+    def _assemble(requests, receipt: Receipt, limit: int) -> bytes | memoryview:
         parts: list[bytes] = []
         have, buf, total = 0, None, None
         try:
@@ -405,8 +323,6 @@ class _Receiver:
                     have += len(chunk)
         except grpc.RpcError:
             raise _Gone() from None
-        if receipt.context is not None and not receipt.context.is_active():
-            raise _Gone()
         if buf is None:  # shorter than its header: decode() says what is wrong with it
             return b"".join(parts)
         if have != total:
