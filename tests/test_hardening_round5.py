@@ -293,3 +293,32 @@ def test_stalled_unauthenticated_calls_do_not_silence_the_rendezvous_store(token
             ch.close()
         server.stop(0)
     assert all(f.done() for f in stalled)
+
+
+@pytest.mark.parametrize("env, argv, says", [
+    ({"JAXDIST_MEMORY_TIER": "0"}, ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes"),
+    ({"JAXDIST_MEMORY_TIER": "maybe"}, [], "JAXDIST_MEMORY_TIER='maybe': expected 1"),
+    ({"JAXDIST_STATE_DIR": "FILE"}, [], "is a file, not a directory"),
+], ids=["tier-off-elastic", "tier-maybe", "state-dir-file"])
+def test_tier_settings_that_cannot_work_are_one_usage_line(env, argv, says, tmp_path, monkeypatch,
+                                                           capsys):
+    # before: a traceback from the launcher (or, for 'maybe', the tier silently on)
+    (tmp_path / "file").write_text("")
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / "file") if value == "FILE" else value)
+    with pytest.raises(SystemExit) as info:
+        launch.main(["-n", "1", *argv, "x.py"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "OFF"])
+def test_the_tier_switches_off_with_any_usual_spelling(value, tmp_path):
+    # before: only "0" switched it off; false/off/no left the tier on
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('state dir', os.environ.get('JAXDIST_STATE_DIR'))\n")
+    result = launch.run([str(script)], num_processes=1, timeout_s=60,
+                        env=_env(JAXDIST_MEMORY_TIER=value))
+    assert result.returncode == 0, result.output
+    assert "[0] state dir None" in result.output, result.output

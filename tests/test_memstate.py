@@ -304,14 +304,18 @@ def test_a_survivor_writes_the_newest_landed_copy_even_while_an_older_one_is_bei
     tier.close()
 
 
-def test_bad_settings_are_named(monkeypatch):
+def test_bad_settings_are_named_and_the_defaults_used(monkeypatch, caplog):
+    # issue 37: a bad value used to raise in every rank, although the tier is optional
     monkeypatch.setenv(memstate.ENV_EVERY, "0")
-    with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number"):
-        StateTier("/tmp/x")
+    assert StateTier("/tmp/x")._every is None
+    assert "JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number" in caplog.text
     monkeypatch.delenv(memstate.ENV_EVERY)
-    monkeypatch.setenv(memstate.ENV_BUDGET, "5%")
-    with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER_BUDGET='5%'"):
-        StateTier("/tmp/x")
+    for bad in ("5%", "nan", "inf"):
+        monkeypatch.setenv(memstate.ENV_BUDGET, bad)
+        assert StateTier("/tmp/x")._budget == memstate.DEFAULT_BUDGET
+        assert f"JAXDIST_MEMORY_TIER_BUDGET='{bad}'" in caplog.text
+    with pytest.raises(ValueError, match="every=0"):  # an argument in code is still an error
+        StateTier("/tmp/x", every=0)
 
 
 def test_states_are_told_apart_by_paths_shapes_and_dtypes():

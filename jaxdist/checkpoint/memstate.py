@@ -118,8 +118,11 @@ def _env_number(name: str, kind: type, default: Any, ok) -> Any:
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not ok(value):
-        raise ValueError(f"{name}={text!r}: expected {ok.__doc__}")
+    if value is None or not ok(value) or value != value:  # value != value: NaN
+        # The tier is optional: a bad setting must not end every rank of the job.
+        logger.warning("%s=%r: expected %s; using the default (%s)", name, text, ok.__doc__,
+                       "measured" if default is None else default)
+        return default
     return value
 
 

@@ -141,6 +141,21 @@ def _make_state_dir() -> tuple[str, int]:
     return _owned.make(f"jaxdist-state-{os.getpid()}-", base)
 
 
+def _tier_on(env: Mapping[str, str]) -> bool:
+    """Whether ``JAXDIST_MEMORY_TIER`` leaves the in-memory tier on (the default).
+
+    >>> _tier_on({}), _tier_on({"JAXDIST_MEMORY_TIER": "off"}), _tier_on({"JAXDIST_MEMORY_TIER": "1"})
+    (True, False, True)
+    """
+    text = env.get("JAXDIST_MEMORY_TIER", "1").strip().lower()
+    if text in ("0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes", ""):
+        return True
+    raise ValueError(f"JAXDIST_MEMORY_TIER={text!r}: expected 1 (on, the default) or 0 "
+                     "(also true/false, on/off, yes/no)")
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -178,6 +193,15 @@ class _Launcher:
             bool(options.num_ps) and _placement.visible_gpus(self._env)[0] > 0)
         if self._gpus is not None:
             self.say(self._gpus.describe())
+        # The tier's settings, checked before anything starts (a usage error, not a traceback).
+        self._tier = not options.num_ps and _tier_on(self._env)
+        if not self._tier and options.nnodes is not None and not options.num_ps:
+            raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes: an elastic "
+                             "job re-forms from the in-memory tier; unset it")
+        given = self._env.get(ENV_STATE_DIR)
+        if self._tier and given and os.path.exists(given) and not os.path.isdir(given):
+            raise ValueError(f"{ENV_STATE_DIR}={given!r} is a file, not a directory: point it at "
+                             "a directory (a kept state, say) or unset it")
 
     def say(self, message: str) -> None:
         self._emit("stderr", (_PREFIX + message + "\n").encode())
@@ -198,15 +222,13 @@ class _Launcher:
             finally:
                 reaper.kill_tagged(self._token)
         # JAXDIST_MEMORY_TIER=0 turns the in-memory tier off (what restarts cost without it).
-        if self._env.get("JAXDIST_MEMORY_TIER", "1") != "0":
+        if self._tier:
             given = self._env.get(ENV_STATE_DIR)
             if given:  # the user's (a kept tier to resume from, say): used, never removed
                 self._state_dir, self._own_state_dir = given, False
                 os.makedirs(given, exist_ok=True)
             else:
                 self._state_dir, self._state_lock = _make_state_dir()
-        elif options.nnodes is not None:
-            raise ValueError("JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes")
         code = 1
         try:
             if options.nnodes is not None:
