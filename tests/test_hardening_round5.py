@@ -322,3 +322,29 @@ def test_the_tier_switches_off_with_any_usual_spelling(value, tmp_path):
                         env=_env(JAXDIST_MEMORY_TIER=value))
     assert result.returncode == 0, result.output
     assert "[0] state dir None" in result.output, result.output
+
+
+def test_every_process_gets_torchruns_master_address_and_port_of_its_job(tmp_path):
+    # before: MASTER_ADDR/MASTER_PORT were not set, and the launcher's own (stale) values
+    # reached every process
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('master', os.environ.get('MASTER_ADDR'), "
+                      "os.environ.get('MASTER_PORT'), os.environ['JAXDIST_COORDINATOR'])\n")
+    result = launch.run([str(script)], num_processes=2, timeout_s=60,
+                        env=_env(MASTER_ADDR="stale.example", MASTER_PORT="1",
+                                 JAXDIST_MEMORY_TIER="0"))
+    assert result.returncode == 0, result.output
+    lines = re.findall(r"\[\d\] master (\S+) (\S+) (\S+)", result.output)
+    assert len(lines) == 2, result.output
+    for addr, port, coordinator in lines:
+        assert f"{addr}:{port}" == coordinator, result.output
+
+
+def test_a_gpu_count_past_any_host_is_one_line_not_a_huge_list():
+    # before: JAXDIST_GPU_COUNT=99999999999999999999 was taken, and planning listed every GPU
+    # (a 5e19-entry list: 21.8 GB, the OOM killer)
+    from jaxdist.launch import _placement
+
+    with pytest.raises(ValueError, match=r"JAXDIST_GPU_COUNT = '9+': expected a GPU count"):
+        _placement.visible_gpus({"JAXDIST_GPU_COUNT": "9" * 20})
+    assert _placement.visible_gpus({"JAXDIST_GPU_COUNT": "8"})[0] == 8

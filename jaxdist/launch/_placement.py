@@ -88,9 +88,11 @@ def _physical_gpus(environ: Mapping[str, str]) -> tuple[int, str]:
     """``(count, how it was found)`` of this host's NVIDIA GPUs (0 when there are none)."""
     given = environ.get(ENV_GPU_COUNT)
     if given is not None:
-        if not (given.isascii() and given.isdigit()):
-            raise ValueError(f"{ENV_GPU_COUNT} = {given!r}: expected a GPU count (0, 1, 2, ...). "
-                             f"Fix: set it to this host's number of GPUs, or unset it.")
+        # At most 4 digits: a host has a few GPUs, and a plan lists each (1e20 built a list
+        # of 1e20 entries).
+        if not (given.isascii() and given.isdigit() and len(given) <= 4):
+            raise ValueError(f"{ENV_GPU_COUNT} = {given[:40]!r}: expected a GPU count (0 to "
+                             f"9999). Fix: set it to this host's number of GPUs, or unset it.")
         return int(given), ENV_GPU_COUNT
     try:
         listed = len(os.listdir("/proc/driver/nvidia/gpus"))

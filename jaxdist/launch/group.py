@@ -26,11 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from jaxdist.launch import _owned, _placement, _slots, _tierfiles, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
+    ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_PS_TOKEN,
     ENV_RESTART_COUNT,
     ClusterSpec,
+    split_address,
 )
 from jaxdist.launch.hang import HangDetector, request_stacks, stack_ranks, waited_for
 from jaxdist.launch.hang import process_state as hang_process_state
@@ -289,12 +291,15 @@ class _Launcher:
         """
         env = dict(self._env)
         env.update(extra)
-        for name in _placement.TORCHRUN_VARS:  # each process's own, never the launcher's
-            env.pop(name, None)
+        for name in (*_placement.TORCHRUN_VARS, "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)  # each process's own, never the launcher's (stale) values
         if local_rank is not None:
             env.update(_placement.torchrun_env(
                 int(extra[ENV_PROCESS_ID]), int(extra[ENV_NUM_PROCESSES]), local_rank,
                 self._options.num_processes, group_rank, group_world_size))
+            # torchrun's rendezvous address: the job's coordinator (as torchrun's MASTER_*).
+            env["MASTER_ADDR"], port = split_address(extra[ENV_COORDINATOR])
+            env["MASTER_PORT"] = str(port)
             if self._gpus is not None:
                 env.update(self._gpus.env(local_rank))
         if self._gpu_host:
