@@ -348,3 +348,17 @@ def test_a_gpu_count_past_any_host_is_one_line_not_a_huge_list():
     with pytest.raises(ValueError, match=r"JAXDIST_GPU_COUNT = '9+': expected a GPU count"):
         _placement.visible_gpus({"JAXDIST_GPU_COUNT": "9" * 20})
     assert _placement.visible_gpus({"JAXDIST_GPU_COUNT": "8"})[0] == 8
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--seed", str(2 ** 64)], "--seed: expected a whole number from 0 to"),
+    (["train", "--steps-per-execution", "1" + "0" * 20], "--steps-per-execution: expected a whole"),
+], ids=["seed-2**64", "steps-per-execution-1e20"])
+def test_train_options_past_any_use_are_one_usage_line(argv, says, capsys):
+    # before: taken, then a traceback (OverflowError from the seed) or a huge padded group
+    from jaxdist import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and says in err and "Traceback" not in err, err

@@ -70,13 +70,14 @@ def add_parser(sub) -> None:
                    help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--tensorboard", default=None, metavar="DIR", type=directory(exists=False),
                    help="write TensorBoard event files (process 0)")
-    p.add_argument("--seed", type=integer(at_least=0, example=0), default=0)
+    p.add_argument("--seed", type=integer(at_least=0, at_most=2**63 - 1, example=0), default=0)
     p.add_argument("--zero-stage", type=integer(at_least=0, at_most=3, example=1), default=0,
                    metavar="K",
                    help="shard the state over the replicas (mirrored / multi_worker / tpu "
                         "strategies): 0 replicated, 1 optimizer state, 2 + gradients, "
                         "3 + parameters")
-    p.add_argument("--steps-per-execution", type=integer(example=9), default=1, metavar="K",
+    p.add_argument("--steps-per-execution", type=integer(at_most=1 << 20, example=9), default=1,
+                   metavar="K",
                    help="run K training steps per compiled call (Keras's steps_per_execution): "
                         "faster for small models, same numbers; callbacks run every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -98,7 +99,7 @@ def add_evaluate_parser(sub) -> None:
                    help="time between looks at DIR (e.g. 500ms, 2s; a plain number is seconds)")
     p.add_argument("--timeout", type=duration(example="1h"), default=3600.0,
                    help="give up after this long without a new checkpoint (e.g. 30min, 1h)")
-    p.add_argument("--seed", type=integer(at_least=0, example=0), default=0)
+    p.add_argument("--seed", type=integer(at_least=0, at_most=2**63 - 1, example=0), default=0)
 
 
 def _replicas_before_jax(args) -> int | None:
