@@ -278,8 +278,10 @@ def _stop_at_exit(ref: weakref.ref) -> None:
 _THREADS = 32
 MAX_STREAMS = 8
 """Calls one connection may have open at once (an agent makes a few at a time)."""
-_RECEIVE_LIMITS = ReceiveLimits(chunk_timeout_s=1.0, body_timeout_s=2.0, slow_after_s=0.1,
-                                max_slow_per_peer=4, max_receiving=_THREADS // 2)
+# An honest message (a few hundred bytes) is there when its call starts; these leave room for a
+# loaded host all the same (the parameter servers' defaults for lateness, a store's for time).
+_RECEIVE_LIMITS = ReceiveLimits(chunk_timeout_s=2.0, body_timeout_s=5.0, slow_after_s=0.5,
+                                max_slow_per_peer=8, max_receiving=_THREADS // 2)
 
 
 def _one_message(requests, receipt) -> bytes:
@@ -420,9 +422,13 @@ class RendezvousClient:
                                             wait_for_ready=True, metadata=self._metadata)
                 break
             except grpc.RpcError as e:
-                # A store busy refusing a flood of stalled calls: try again within the deadline.
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_receiving" in str(
-                        e.details()) and time.monotonic() < end - 0.05:
+                # A store busy refusing a flood of stalled calls, or one that cut this call as
+                # late (a loaded host): try again within the deadline (every method is
+                # idempotent).
+                busy = (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and "max_receiving" in str(e.details()))
+                if (busy or e.code() == grpc.StatusCode.CANCELLED) and \
+                        time.monotonic() < end - 0.05:
                     time.sleep(0.05)
                     continue
                 raise RendezvousError(f"rendezvous store at {self.address}: {method} failed: "
