@@ -236,8 +236,8 @@ MISTAKES = [
     ("train --zero-stage -1", "argument --zero-stage: expected a whole number from 0 to 3"),
     ("train --zero-stage 1 --strategy central_storage",
      "--zero-stage 1 needs --strategy mirrored, multi_worker or tpu"),
-    ("train --seed -1", "argument --seed: expected a whole number >= 0"),
-    ("train --seed abc", "argument --seed: expected a whole number >= 0"),
+    ("train --seed -1", "argument --seed: expected a whole number from 0 to"),
+    ("train --seed abc", "argument --seed: expected a whole number from 0 to"),
     # typos: choices, flags, subcommands
     ("train --strategy mirored", "argument --strategy: invalid choice: 'mirored'"),
     ("train --strategy TPU", "(did you mean 'tpu'?)"),
