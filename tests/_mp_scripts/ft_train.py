@@ -1,7 +1,7 @@
 """A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
 
     ft_train.py OUT BACKUP [--fault kill|stop|stuck|none] [--rank R] [--at STEP] [--epochs E]
-        [--zero-stage K]
+        [--zero-stage K] [--hidden H] [--steps-per-execution K]
 
 On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
 SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
@@ -34,6 +34,7 @@ ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an o
                 "can then act at a chosen step)")
 ap.add_argument("--zero-stage", type=int, default=0)
 ap.add_argument("--hidden", type=int, default=32)
+ap.add_argument("--steps-per-execution", type=int, default=1)
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 me = jax.process_index()
@@ -51,7 +52,7 @@ class Report(jaxdist.callbacks.Callback):
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
-        if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
+        if attempt == 0 and me == args.rank and info.step >= args.at and args.fault != "none":
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
             if args.fault == "stuck":
@@ -71,7 +72,8 @@ state = models.create_train_state(models.MLP(hidden=(args.hidden,)), x[:1], seed
 backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
 history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                       strategy.distribute((x, y), 96, shuffle=True, seed=5),
-                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0)
+                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0,
+                      steps_per_execution=args.steps_per_execution)
 if me == 0:
     print(f"attempt {attempt} resumed from {backup.restored_from} step {backup.restored_step}",
           flush=True)
