@@ -62,6 +62,7 @@ from jaxdist.checkpoint._copies import (
     _writes_replicated,
 )
 from jaxdist.checkpoint._overlap import _Overlap
+from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
 from jaxdist.launch import _slots
@@ -156,6 +157,8 @@ class StateTier:
         measured).
       budget: the share of steps/s the tier may cost (default ``$JAXDIST_MEMORY_TIER_BUDGET``
         or 0.05).
+      policy: a :class:`~jaxdist.checkpoint.tier_policy.MemoryTier` setting ``every`` and
+        ``budget`` (and ``enabled=False``: the tier is off), instead of the environment.
 
     >>> import tempfile, jax.numpy as jnp
     >>> tier = StateTier(tempfile.mkdtemp(), rank=0)
@@ -169,8 +172,16 @@ class StateTier:
     """
 
     def __init__(self, directory: str | None = None, *, rank: int | None = None,
-                 every: int | None = None, budget: float | None = None):
+                 every: int | None = None, budget: float | None = None,
+                 policy: MemoryTier | None = None):
         self.directory = directory if directory is not None else os.environ.get(ENV_STATE_DIR)
+        if policy is not None:
+            if not isinstance(policy, MemoryTier):
+                raise TypeError(f"policy={policy!r}: expected a jaxdist.memstate.MemoryTier")
+            every = policy.every if every is None else every
+            budget = policy.budget if budget is None else budget
+            if not policy.enabled:
+                self.directory = None  # off: every method does nothing
         self._rank = rank
         every = every if every is not None else _env_number(ENV_EVERY, int, None, _positive_int)
         budget = budget if budget is not None else _env_number(ENV_BUDGET, float, DEFAULT_BUDGET,
