@@ -115,12 +115,15 @@ class _Cadence:
     def step_s(self) -> float | None:
         """The median time per step as the devices finish them (the first two intervals left
         out: compilation), else, while no copy has been waited for (the writer is behind, or
-        every copy had landed), the loop's pace over its last 32 steps (the first two calls
-        left out), else None."""
+        every copy had landed), the loop's pace over its last 32 calls (the first two left
+        out; 8 steps at least), else None."""
         values = list(self._steps)[2:] if len(self._steps) > 4 else []
         if values:
             return statistics.median(values)
-        calls = list(self._calls)[2:] if len(self._calls) > 10 else []
+        # 8 steps at least past the first two calls (under steps_per_execution, fewer calls)
+        calls = list(self._calls)[2:]
+        if len(calls) < 3 or calls[-1][1] - calls[0][1] < 8:
+            calls = []
         if calls and calls[-1][1] > calls[0][1]:
             return (calls[-1][0] - calls[0][0]) / (calls[-1][1] - calls[0][1])
         return None

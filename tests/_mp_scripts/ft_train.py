@@ -3,7 +3,8 @@
     ft_train.py OUT BACKUP [--fault kill|stop|stuck|none] [--rank R] [--at STEP] [--epochs E]
         [--zero-stage K] [--hidden H] [--steps-per-execution K]
 
-On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
+On its first attempt (``JAXDIST_RESTART_COUNT=0``; ``--at A,B``: on the first two, the second at
+step B) rank R completes step STEP (the first call's end at or past it), then SIGKILLs or
 SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
 input pipeline that waits for ever; its peers wait inside the next step's collective). Rank 0 prints
 ``trained step N epoch E position P`` after each step, the step it
@@ -28,7 +29,7 @@ ap.add_argument("out")
 ap.add_argument("backup")
 ap.add_argument("--fault", default="none")
 ap.add_argument("--rank", type=int, default=1)
-ap.add_argument("--at", type=int, default=5)
+ap.add_argument("--at", default="5", help="the step of the fault; a comma list: one per attempt")
 ap.add_argument("--epochs", type=int, default=2)
 ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an outside actor "
                 "can then act at a chosen step)")
@@ -37,14 +38,21 @@ ap.add_argument("--hidden", type=int, default=32)
 ap.add_argument("--steps-per-execution", type=int, default=1)
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+at = [int(a) for a in args.at.split(",")]
 me = jax.process_index()
 
 
 class Report(jaxdist.callbacks.Callback):
     """First in the list: a step at which BackupAndRestore stops the job is reported too."""
 
+    started = False
+
     def on_train_batch_end(self, info):
         time.sleep(args.sleep)
+        if me == 0 and not self.started:
+            self.started = True
+            print(f"attempt {attempt} started from {backup.restored_from} step "
+                  f"{backup.restored_step}", flush=True)
         if me == 0:
             print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
                   flush=True)
@@ -52,7 +60,8 @@ class Report(jaxdist.callbacks.Callback):
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
-        if attempt == 0 and me == args.rank and info.step >= args.at and args.fault != "none":
+        if (attempt < len(at) and me == args.rank and info.step >= at[attempt]
+                and args.fault != "none"):
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
             if args.fault == "stuck":
