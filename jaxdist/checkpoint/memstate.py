@@ -419,6 +419,8 @@ class StateTier:
                 logger.debug("the copy of step %d failed: %s", copy.step, e)
                 self._take(copy, landed=False)
                 continue
+            # Landed: its device snapshot is not needed any more (not even while it is written).
+            copy = copy._replace(held=None)
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
             self._take(copy, landed=True)
