@@ -338,13 +338,27 @@ def child(cfg: dict, params_path: str | None) -> None:
                 jax.block_until_ready(info.state)
                 self.window.append(time.perf_counter())
 
-    strategy = jaxdist.MultiWorkerMirroredStrategy()
+    class Kill(jaxdist.callbacks.Callback):
+        """The kill part: SIGKILL after step ``kill_at`` on the first attempt (the launcher
+        restarts the process, which resumes from what the tier holds)."""
+
+        def on_train_batch_end(self, info):
+            if (cfg.get("kill_at") and os.environ.get("JAXDIST_RESTART_COUNT", "0") == "0"
+                    and info.step >= cfg["kill_at"]):
+                jax.block_until_ready(info.state)
+                print(f"killed after step {info.step}", flush=True)
+                os.kill(os.getpid(), 9)
+
+    strategy = jaxdist.MultiWorkerMirroredStrategy(zero_stage=cfg.get("zero_stage", 0))
     timer = StepTimes()
-    backup = jaxdist.callbacks.BackupAndRestore(tempfile.mkdtemp(prefix="gpt-bench-backup-"),
-                                               delete_on_success=True)
+    # The backup directory outlives a killed attempt (the restarted one must not find it empty
+    # of the run's own name): one per launched run, given by the parent.
+    backup = jaxdist.callbacks.BackupAndRestore(
+        cfg.get("backup_dir") or tempfile.mkdtemp(prefix="gpt-bench-backup-"),
+        every_n_steps=10_000, delete_on_success=True)
     history = jaxdist.fit(strategy.step(masked_step), host_state,
                           strategy.distribute(data, cfg["batch"]), epochs=1,
-                          steps_per_epoch=cfg["launch_steps"], callbacks=[backup, timer],
+                          steps_per_epoch=cfg["launch_steps"], callbacks=[backup, timer, Kill()],
                           verbose=0)
     leaves = [np.asarray(a) for a in jax.tree.leaves(jax.device_get(history.state.params))]
     if jax.process_index() == 0:
@@ -354,17 +368,20 @@ def child(cfg: dict, params_path: str | None) -> None:
             "times": timer.times, "window": timer.window,
             # Whether the tier ran, where this jaxdist says so (not public API: None if not).
             "tier": getattr(getattr(backup, "memory", None), "enabled", None),
+            "restored": [backup.restored_from, backup.restored_step],
             "moved": distance(leaves, jax.tree.leaves(host_state.params)),
             "describe": describe(cfg, strategy.mesh.devices.flat, host_state)}), flush=True)
 
 
-def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float) -> dict:
+def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float,
+                restarts: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("JAXDIST_MEMORY_TIER", None)
     if not tier:
         env["JAXDIST_MEMORY_TIER"] = "0"
     cmd = [sys.executable, "-m", "jaxdist.launch", "-n", "1", "--timeout", str(timeout),
+           "--max-restarts", str(restarts),
            *(["--devices-per-process", str(cfg["devices"])] if cfg.get("devices") else []),
            os.path.abspath(__file__), "--child", "--config-json", json.dumps(cfg),
            *(["--params-out", params_path] if params_path else [])]
@@ -382,7 +399,8 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float) 
                            f"code {proc.returncode}; its output ends:\n{output[-4000:]}")
     got = json.loads(found[-1].split(CHILD_TAG, 1)[1])
     times = got["times"]
-    start, end = got["window"]
+    # A killed and resumed run times nothing (its window opened in the first attempt).
+    start, end = got["window"] if len(got["window"]) == 2 else (0.0, 0.0)
     # Step-end to step-end without a sync: fit keeps a few steps in flight and reads their
     # metrics a few at a time, so single intervals alternate between dispatch and wait (kept for
     # inspection); the step time is the synced window's.
@@ -391,7 +409,13 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float) 
     tier_log = sorted({re.sub(r"^\[\d+\]\s*", "", line).strip() for line in output.splitlines()
                        if re.search(r"memory tier|memory state tier|in-memory|at most \d+ step",
                                     line, re.IGNORECASE)})
+    killed = re.search(r"killed after step (\d+)", output)
+    # One process (-n 1): no survivor writes its newest copy, so the bound that holds is the
+    # one for "no process of the job survives it" (what was written to the state directory).
+    bounds = [int(b) for b in re.findall(r"or (\d+) when no process of the job survives", output)]
     return {"step_s": (end - start) / (cfg["launch_steps"] - WARM_STEPS), "intervals": intervals,
+            "restored": got.get("restored"), "killed_after": int(killed[1]) if killed else None,
+            "bounds": bounds,
             "tier_enabled": got["tier"], "tier_log": tier_log, "moved": got["moved"],
             "describe": got["describe"], "wall_s": time.perf_counter() - t}
 
@@ -441,6 +465,47 @@ def run_launch(cfg: dict, tmp: str, ref_path: str | None, ref_moved: float | Non
     save()
 
 
+def run_kill(cfg: dict, tmp: str, timeout: float, res: dict, save) -> None:
+    """The kill part: for replicated state and ``zero_stage=3``, an uninterrupted launched run
+    and one whose process is SIGKILLed after step ``kill_at`` (restarted once by the launcher):
+    the steps computed again against the bound the tier announced, and the parameters against
+    the uninterrupted run's (exact in the deterministic pass)."""
+    import numpy as np
+
+    def load(path):
+        with np.load(path) as f:
+            return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+    out = res.setdefault("kill", {})
+    errors = res.setdefault("launch_errors", [])
+    kill_at = max(WARM_STEPS + 1, cfg["launch_steps"] * 2 // 3)
+    for zero in (0, 3):
+        name = f"zero_stage={zero}"
+        paths = {k: os.path.join(tmp, f"kill-{zero}-{k}.npz") for k in ("whole", "killed")}
+        try:
+            whole = launch_once({**cfg, "zero_stage": zero}, True, paths["whole"], timeout)
+            killed = launch_once({**cfg, "zero_stage": zero, "kill_at": kill_at,
+                                  "backup_dir": os.path.join(tmp, f"kill-{zero}-backup")},
+                                 True, paths["killed"], timeout, restarts=1)
+        except RuntimeError as e:
+            print(f"kill, {name}: {e}", flush=True)
+            errors.append(f"kill, {name}: {str(e)[:2000]}")
+            save()
+            continue
+        source, step = killed["restored"] or (None, None)
+        after = killed["killed_after"]
+        row = {"killed_after": after, "resumed_from": source, "resumed_step": step,
+               "recomputed": None if after is None or step is None else after - step,
+               "announced": max(killed["bounds"], default=None),
+               "distance": distance(load(paths["killed"]), load(paths["whole"])) / whole["moved"]}
+        out[name] = row
+        print(f"kill, {name}: killed after step {after}, resumed from {source} step {step}: "
+              f"{row['recomputed']} step(s) computed again (announced at most "
+              f"{row['announced']} when no process survives); parameters "
+              f"{row['distance']:.1e} from the uninterrupted run's", flush=True)
+        save()
+
+
 # ---------------------------------------------------------------------------------------------
 # The report.
 
@@ -483,9 +548,17 @@ def summarize(res: dict) -> dict:
         on, off = rows["launch_tier_on"]["step_s"], rows["launch_tier_off"]["step_s"]
         summary["tier_step_time_ratio"] = on / off
         summary["tier_steps_per_s_ratio"] = off / on
-    same = {**res.get("same_numbers", {}), **res.get("launch_same_numbers", {})}
+    same = {**res.get("same_numbers", {}), **res.get("launch_same_numbers", {}),
+            **{f"kill_{k}": v["distance"] for k, v in res.get("kill", {}).items()}}
     summary["same_numbers"] = same
-    summary["same_numbers_ok"] = all(v <= cfg["tolerance"] for v in same.values())
+    # Compared only where the numbers are deterministic (--deterministic, or a CPU): the fast
+    # pass's cuDNN attention and scatter-add gradients differ run to run on a GPU.
+    summary["same_numbers_checked"] = not cfg.get("timing_only")
+    summary["same_numbers_ok"] = (not summary["same_numbers_checked"]
+                                  or all(v <= cfg["tolerance"] for v in same.values()))
+    summary["kill_ok"] = all(
+        k["resumed_from"] == "memory" and k["recomputed"] is not None and k["announced"] is not None
+        and k["recomputed"] <= k["announced"] for k in res.get("kill", {}).values())
     return summary
 
 
@@ -531,13 +604,21 @@ def report(res: dict) -> str:
     if any(k.startswith("launch_") for k in s["rows"]):
         lines += ["launch rows: a step is the synced window's time over its steps, median over "
                   "runs; their ratio to hand-written is one of medians (other processes)"]
+    for name, k in res.get("kill", {}).items():
+        lines += [f"SIGKILL under `jaxdist launch -n 1` ({name}): killed after step "
+                  f"{k['killed_after']}, resumed from {k['resumed_from']} step {k['resumed_step']}, "
+                  f"{k['recomputed']} step(s) computed again (announced: at most {k['announced']} "
+                  "when no process survives); "
+                  f"parameters {k['distance']:.1e} from the uninterrupted run's"]
     lines += [f"launched run failed: {e}" for e in res.get("launch_errors", [])]
     same = ", ".join(f"{k} {v:.1e}" for k, v in s["same_numbers"].items())
     ref = res.get("launch_reference", "hand-written")
     lines += ["", f"same numbers (|params - reference| / |reference - initial|, L2 over all "
                   f"parameters; reference: the hand-written loop, for launch rows {ref}; "
                   f"tolerance {cfg['tolerance']:g}): {same or 'not checked'} -> "
-                  f"{'OK' if s['same_numbers_ok'] else 'MISMATCH'}"]
+                  + ("not held to it (--timing-only: the fast pass is not deterministic on a GPU)"
+                     if not s.get("same_numbers_checked", True)
+                     else 'OK' if s['same_numbers_ok'] else 'MISMATCH')]
     return "\n".join(lines)
 
 
@@ -557,8 +638,15 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=None,
                     help="simulated CPU devices (on an accelerator every local device is used)")
     ap.add_argument("--parts", nargs="+", default=["inproc", "launch"],
-                    choices=("inproc", "launch"),
-                    help="the in-process loops, the launched runs (tier on / off), or both")
+                    choices=("inproc", "launch", "kill"),
+                    help="the in-process loops, the launched runs (tier on / off), a SIGKILL "
+                         "under the launcher (replicated and zero_stage=3; --deterministic)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="XLA_FLAGS=--xla_gpu_deterministic_ops=true and XLA attention: the pass "
+                         "whose numbers are compared (cuDNN attention and scatter-add gradients "
+                         "differ run to run on GPUs, and AdamW amplifies it)")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="the fast pass: numbers are reported, not held to --tolerance")
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                     help="in-process loops (hand always runs)")
     ap.add_argument("--tolerance", type=float, default=None,
@@ -598,7 +686,12 @@ def main() -> None:
     else:
         cfg = dict(TINY if args.tiny else DEFAULT)
         cfg.update({k: getattr(args, k) for k in DEFAULT if getattr(args, k) is not None})
+        if args.deterministic:  # before any JAX import: the children inherit it
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_gpu_deterministic_ops=true").strip()
+            args.attention = "xla"
         cfg.update(tiny=args.tiny, dtype=args.dtype, attention=args.attention, lr=args.lr,
+                   deterministic=args.deterministic, timing_only=args.timing_only,
                    seed=args.seed, devices=args.devices,
                    loops=["hand", *[n for n in args.loops if n != "hand"]],
                    tolerance=args.tolerance if args.tolerance is not None
@@ -645,6 +738,8 @@ def main() -> None:
             save()
         if "launch" in args.parts:
             run_launch(cfg, tmp, ref, res.get("reference_moved"), args.part_timeout, res, save)
+        if "kill" in args.parts:
+            run_kill(cfg, tmp, args.part_timeout, res, save)
         res["load"] = (f"{' + '.join(args.parts)}: {res['load']} at the start, {_load()} at the "
                        "end")
     res["summary"] = summarize(res)
@@ -658,6 +753,10 @@ def main() -> None:
         print("the loops did not compute the same thing (see 'same numbers' above): their figures "
               "do not compare like with like", file=sys.stderr)
         raise SystemExit(3)
+    if not res["summary"]["kill_ok"]:
+        print("a SIGKILL computed more steps again than the tier announced, or did not resume "
+              "from memory (see 'SIGKILL' above)", file=sys.stderr)
+        raise SystemExit(5)
     if res.get("launch_errors"):
         print(f"{len(res['launch_errors'])} launched run(s) failed (see above)", file=sys.stderr)
         raise SystemExit(4)

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: benchmarks/gpt.py's default configuration (GPT decoder, 111 M
-# parameters), each part under its own time limit, every figure written under $OUT.
+# parameters, 1.3 GB of state with AdamW), each part under its own time limit, every figure written
+# under $OUT as soon as its part ends.
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh        # from the repository root
 #   GPT_ARGS=--tiny OUT=/tmp/x bash benchmarks/gpu_session.sh   # a dry run of the script on a CPU
 #
 # Needs no network: jax (with CUDA), flax, optax and orbax installed; jaxdist is this checkout
-# (PYTHONPATH=$PWD). At most 7 files under $OUT:
-#   session.log         the machine (nvidia-smi, versions, load) and each part's start, end, exit code
-#   gpt_inproc.{txt,json}  hand-written, hand_fed, @mirrored, fit, zero_stage=3 (one process)
-#   gpt_launch.{txt,json}  fit + BackupAndRestore under `jaxdist launch -n 1`, memory tier on / off
-#   gpt.md, gpt.json    the two parts merged: the table (tokens/s, ratios, MFU, the tier's cost)
-# Budget: about 8 minutes at most (the 111 M model compiles in ~30-60 s, five times in all; the
-# launched runs read the in-process part's compilations from a shared cache where they match).
-# A part that runs out of time still leaves its output; the launch part's JSON keeps every run that
-# ended. If the in-process part fails for another reason with cuDNN attention chosen, it is run
-# again with XLA's attention (and the launch part uses XLA's too).
+# (PYTHONPATH=$PWD). Files under $OUT:
+#   session.log            the machine (nvidia-smi, versions, load) and each part's start, end, exit code
+#   gpt_check.{txt,json}   the DETERMINISTIC pass (--xla_gpu_deterministic_ops, XLA attention), few
+#                          steps: every loop (hand_fed, @mirrored, fit, zero_stage=3) must end on the
+#                          hand-written loop's parameters (exit 3 if not). Numbers only, no speed
+#   gpt_kill.{txt,json}    deterministic pass: fit + BackupAndRestore under `jaxdist launch -n 1`,
+#                          SIGKILL after step 2/3 of the run, replicated and zero_stage=3: steps
+#                          computed again against the announced bound (exit 5 if beyond it or not
+#                          from memory), parameters against the uninterrupted run's
+#   gpt_launch.{txt,json}  the fast pass: the tier on / off over >= 200 steps (speed; the tier's
+#                          announced bounds)
+#   gpt_inproc.{txt,json}  the fast pass: tokens/s, MFU of every loop (--timing-only)
+#   gpt.md, gpt.json       the timing and kill parts merged: one table
+# Budget: the whole call must fit 15 minutes of device time with the machine's start (2-3 min), so
+# the parts get about 10 minutes together (BUDGET), most important first; each has its own limit
+# and a part that runs out of time still leaves what it finished.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 PY=${PYTHON:-python3}
@@ -24,7 +31,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxdist-gpt-xla-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-BUDGET=${BUDGET:-470}   # seconds for both parts together
+BUDGET=${BUDGET:-600}   # seconds for all parts together (the machine start comes on top)
 LOG=$OUT/session.log
 
 say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
@@ -52,19 +59,20 @@ print(jax.devices())' 2>&1
     uptime
 } >> "$LOG" 2>&1
 
-ATTENTION=auto
-run_part $(( $(left) * 53 / 100 )) gpt_inproc --parts inproc --attention $ATTENTION
-rc=$?
-# 3: the loops disagree, 124: the time limit; anything else with cuDNN's attention: try XLA's.
-if [ $rc != 0 ] && [ $rc != 3 ] && [ $rc != 124 ] && grep -q "^attention: cudnn" "$OUT/gpt_inproc.txt"; then
-    ATTENTION=xla
-    tail -40 "$OUT/gpt_inproc.txt" >> "$LOG"   # the failure's log, before the rerun replaces it
-    run_part $(( $(left) * 53 / 100 )) gpt_inproc --parts inproc --attention $ATTENTION
-fi
-run_part $(( $(left) - 10 )) gpt_launch --parts launch --attention $ATTENTION --part-timeout 150
+# 1. same numbers, deterministic (XLA attention): short
+run_part 120 gpt_check --parts inproc --deterministic --steps 8 --reps 1
+# 2. a SIGKILL under the launcher, deterministic: 4 launched runs of 60 steps
+run_part 240 gpt_kill --parts kill --deterministic --launch-steps 60 --part-timeout 110
+# 3. the tier's cost in the fast pass: on / off alternated, 220 steps each (>= 200 timed)
+run_part 200 gpt_launch --parts launch --timing-only --launch-steps 220 --launch-reps 2 \
+    --part-timeout 90
+# 4. the fast pass's speed of every loop, with what time is left
+run_part $(( $(left) - 15 )) gpt_inproc --parts inproc --timing-only --reps 3
 
 parts=()
-for f in "$OUT/gpt_inproc.json" "$OUT/gpt_launch.json"; do [ -s "$f" ] && parts+=("$f"); done
+# The timing parts and the kill part; the same-numbers check stands in gpt_check.txt (its
+# config, 8 steps deterministic, is not the timing runs').
+for f in "$OUT"/gpt_kill.json "$OUT"/gpt_launch.json "$OUT"/gpt_inproc.json; do [ -s "$f" ] && parts+=("$f"); done
 if [ ${#parts[@]} -gt 0 ]; then
     "$PY" benchmarks/gpt.py --merge "${parts[@]}" --json "$OUT/gpt.json" > "$OUT/gpt.md" 2>&1
     say "merged ${#parts[@]} part(s): exit code $? ($OUT/gpt.md)"

@@ -51,3 +51,21 @@ def test_gpt_bench_tiny_times_every_loop_and_all_compute_the_same(tmp_path):
     assert set(same) == {"hand_fed", "mirrored", "fit", "zero3", "launch_on", "launch_off"}
     assert all(v <= 1e-4 for v in same.values()), same
     assert summary["same_numbers_ok"] and "-> OK" in proc.stdout
+
+
+def test_gpt_bench_tiny_kill_part_resumes_from_memory_within_the_announced_bound(tmp_path):
+    # The GPU session's kill part on the CPU: fit + BackupAndRestore under `jaxdist launch -n 1`,
+    # SIGKILLed after step 16 of 24 and restarted; replicated state and zero_stage=3
+    out = tmp_path / "kill.json"
+    proc = run_python([os.path.join(REPO, "benchmarks", "gpt.py"), "--tiny", "--devices", "2",
+                       "--parts", "kill", "--deterministic", "--launch-steps", "24",
+                       "--json", str(out)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["kill"]) == {"zero_stage=0", "zero_stage=3"}
+    for name, k in res["kill"].items():
+        assert k["killed_after"] == 16 and k["resumed_from"] == "memory", (name, k)
+        assert 0 <= k["recomputed"] <= k["announced"], (name, k)
+        assert k["distance"] <= 1e-6, (name, k)  # the uninterrupted run's parameters
+        assert f"SIGKILL under `jaxdist launch -n 1` ({name})" in proc.stdout
+    assert res["summary"]["kill_ok"]

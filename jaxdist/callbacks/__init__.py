@@ -31,8 +31,9 @@ from jaxdist.callbacks.schedules import EarlyStopping as EarlyStopping
 from jaxdist.callbacks.schedules import LearningRateScheduler as LearningRateScheduler
 from jaxdist.callbacks.schedules import TerminateOnNaN as TerminateOnNaN
 from jaxdist.callbacks.schedules import get_hyperparam as get_hyperparam
+from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 
 __all__ = ["AnyOf", "BackupAndRestore", "BestMetric", "Callback", "EarlyStopping", "EveryNEpochs",
-           "EveryNSteps", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar", "Resume",
+           "EveryNSteps", "LearningRateScheduler", "MemoryTier", "ModelCheckpoint", "ProgressBar", "Resume",
            "SaveCandidate", "SavePolicy", "TensorBoard", "TerminateOnNaN", "TrainInfo", "TrainingPreempted",
            "get_hyperparam"]

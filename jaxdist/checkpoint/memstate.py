@@ -61,6 +61,8 @@ from jaxdist.checkpoint._copies import (
     _pinned_copy,
     _writes_replicated,
 )
+from jaxdist.checkpoint._overlap import _Overlap
+from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
 from jaxdist.launch import _slots
@@ -140,6 +142,7 @@ class _Copy(NamedTuple):
     step: int
     host: list
     data: dict | None
+    held: list | None = None  # the on-device snapshot the host copy reads, until it lands
 
     def arrays(self) -> list:
         """The copy's arrays in flight to host memory (what to wait for)."""
@@ -157,6 +160,8 @@ class StateTier:
         measured).
       budget: the share of steps/s the tier may cost (default ``$JAXDIST_MEMORY_TIER_BUDGET``
         or 0.05).
+      policy: a :class:`~jaxdist.checkpoint.tier_policy.MemoryTier` setting ``every`` and
+        ``budget`` (and ``enabled=False``: the tier is off), instead of the environment.
 
     >>> import tempfile, jax.numpy as jnp
     >>> tier = StateTier(tempfile.mkdtemp(), rank=0)
@@ -170,8 +175,16 @@ class StateTier:
     """
 
     def __init__(self, directory: str | None = None, *, rank: int | None = None,
-                 every: int | None = None, budget: float | None = None):
+                 every: int | None = None, budget: float | None = None,
+                 policy: MemoryTier | None = None):
         self.directory = directory if directory is not None else os.environ.get(ENV_STATE_DIR)
+        if policy is not None:
+            if not isinstance(policy, MemoryTier):
+                raise TypeError(f"policy={policy!r}: expected a jaxdist.memstate.MemoryTier")
+            every = policy.every if every is None else every
+            budget = policy.budget if budget is None else budget
+            if not policy.enabled:
+                self.directory = None  # off: every method does nothing
         self._rank = rank
         every = every if every is not None else _env_number(ENV_EVERY, int, None, _positive_int)
         budget = budget if budget is not None else _env_number(ENV_BUDGET, float, DEFAULT_BUDGET,
@@ -194,6 +207,7 @@ class StateTier:
         self._last_copied: int | None = None
         self._announced: tuple | None = None
         self._to_host = _pinned_copy
+        self._overlap: _Overlap | None = None  # how copies overlap the step (set at first save)
         self._writes_replicated = _writes_replicated()
         self.last_written: int | None = None
         self.skipped = 0
@@ -268,13 +282,13 @@ class StateTier:
                     return False
         start = time.perf_counter()
         try:
-            host = self._copy_all(_arrays(state))
+            host, held = self._copy_all(_arrays(state))
         except Exception as e:  # noqa: BLE001 - the tier never stops training
             self._off(f"copying the state to host memory failed ({type(e).__name__}: {e})")
             return False
         cadence.on_copy(time.perf_counter() - start, None if force else int(step))
         self._last_copied = step
-        copy = _Copy(int(step), host, None if data_state is None else dict(data_state))
+        copy = _Copy(int(step), host, None if data_state is None else dict(data_state), held)
         with self._cond:
             self._copies.append((copy, force))
             self._cond.notify_all()
@@ -285,12 +299,30 @@ class StateTier:
         kept), so at most two snapshots' worth, or 64 MiB of small ones (the loop runs steps
         ahead of the devices, and a copy is done only when its step has run)."""
         held = len(self._copies) + (self._ready is not None)  # the newest done one is kept
+        if self._overlap is not None and self._overlap.snapshots and not self._snapshot_free():
+            return False  # one device snapshot at a time: its host copy has not landed yet
         return not self._copies or (held + 1) * self._bytes <= max(2 * self._bytes,
                                                                     _PENDING_SMALL)
 
-    def _copy_all(self, leaves: list) -> list:
+    def _snapshot_free(self) -> bool:
+        """Whether no device snapshot is held (call with ``_cond``): one whose host copy has
+        landed is released here, without waiting for the writer to reach it."""
+        for i, (copy, force) in enumerate(self._copies):
+            if copy.held is None:
+                continue
+            try:
+                landed = all(a.is_ready() for a in copy.arrays())
+            except Exception:  # noqa: BLE001 - a failed copy holds nothing worth keeping
+                landed = True
+            if not landed:
+                return False
+            self._copies[i] = (copy._replace(held=None), force)
+        return True
+
+    def _copy_all(self, leaves: list) -> tuple[list, list | None]:
         """Host copies of this process's blocks of ``leaves`` (each distinct block once),
-        dispatched in one call (asynchronous; only this process's devices take part)."""
+        dispatched in one call (asynchronous; only this process's devices take part), and the
+        device snapshot they read (None: they read the state itself, or XLA:CPU)."""
         out: list[Any] = [None] * len(leaves)
         moving, where = [], []
         for i, x in enumerate(leaves):
@@ -309,10 +341,28 @@ class StateTier:
                         moving.append(shard.data)
                 out[i] = _Blocks(tuple(x.shape), np.dtype(x.dtype).name, blocks)
                 where.append((i, len(blocks)))
+        held = None
         if moving:
-            copies = iter(self._to_host(moving))
+            if self._overlap is not None:
+                copies, held = self._overlap.to_host(moving)
+                copies = iter(copies)
+            else:
+                copies = iter(self._to_host(moving))
             for i, n in where:
                 out[i] = out[i]._replace(data=[next(copies) for _ in range(n)])
+        return out, held
+
+    def _blocks_of(self, leaves: list) -> list:
+        """This process's distinct blocks of ``leaves`` on its devices (what a copy moves)."""
+        out = []
+        for x in leaves:
+            if isinstance(x, jax.Array) and (self._writes_replicated or not x.is_fully_replicated):
+                seen = set()
+                for shard in x.addressable_shards:
+                    index = tuple((s.start, s.stop) for s in shard.index)
+                    if index not in seen:
+                        seen.add(index)
+                        out.append(shard.data)
         return out
 
     def _first_save(self, state: PyTree) -> bool:
@@ -333,6 +383,8 @@ class StateTier:
                 write_atomic(_owner_path(self.directory), json.dumps({"owner": self.owner}).encode())
             except OSError:
                 pass  # a full directory: the slots' own writes will say so
+        if self._overlap is None:
+            self._overlap = _Overlap.start(self._blocks_of(leaves))
         self._cadence = _Cadence(self._every, self._budget,
                                  host_is_device=jax.default_backend() == "cpu", nbytes=need)
         for target, name in ((self._writer, "jaxdist-memstate"),
@@ -379,6 +431,8 @@ class StateTier:
                 logger.debug("the copy of step %d failed: %s", copy.step, e)
                 self._take(copy, landed=False)
                 continue
+            # Landed: its device snapshot is not needed any more (not even while it is written).
+            copy = copy._replace(held=None)
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
             self._take(copy, landed=True)
@@ -390,10 +444,10 @@ class StateTier:
         """The writer is done waiting for ``copy``: out of the copies in flight, and the newest
         done one if it landed."""
         with self._cond:
-            if self._copies and self._copies[0][0] is copy:
+            if self._copies and self._copies[0][0].step == copy.step:
                 self._copies.popleft()
             if landed:
-                self._ready = copy
+                self._ready = copy._replace(held=None)  # its device snapshot is free again
             self._cond.notify_all()
 
     def _persist(self, copy: _Copy) -> None:
@@ -410,10 +464,13 @@ class StateTier:
                 # switch the tier off and remove the slots that hold the newest good one.
                 logger.debug("the copy of step %d failed: %s", copy.step, e)
                 return
+            stats: dict = {}
             try:
                 written = _slots.write(self._my_dir(), _slots.free_slot(self._my_dir()),
                                        step=copy.step, data_state=copy.data,
-                                       fingerprint=self._fingerprint, leaves=blocks)
+                                       fingerprint=self._fingerprint, leaves=blocks,
+                                       threads=_write_threads(self._cadence.host_is_device),
+                                       stats=stats)
             except _slots.TierFull as e:
                 self._off(str(e))
                 return
@@ -421,8 +478,9 @@ class StateTier:
                 self._off(f"writing a snapshot failed ({type(e).__name__}: {e})")
                 return
             self.last_written = copy.step
-            self._cadence.on_persist(time.thread_time() - cpu0, time.perf_counter() - start,
-                                     copy.step)
+            # CPU time of this thread (reading the copy) and of the threads that wrote it
+            cpu = time.thread_time() - cpu0 + stats.get("cpu_s", 0.0)
+            self._cadence.on_persist(cpu, time.perf_counter() - start, copy.step)
             self._announce(written)
 
     def _watch_flush(self) -> None:
@@ -614,6 +672,13 @@ class StateTier:
 
 def _owner_path(directory: str) -> str:
     return os.path.join(directory, "owner.json")
+
+
+def _write_threads(host_is_device: bool) -> int:
+    """Threads that write a snapshot: several beside accelerators (the host's cores are idle);
+    one on XLA:CPU, whose devices are those cores (more threads would take the same CPU time
+    from the steps, only sooner)."""
+    return 1 if host_is_device else max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 def _free_bytes(directory: str) -> int:

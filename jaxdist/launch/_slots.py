@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxdist.launch._pwrite import _write_blocks
 from jaxdist.launch.heartbeat import write_atomic
 
 FORMAT = 1
@@ -127,12 +128,16 @@ def free_slot(rank_dir: str) -> int:
 
 def write(rank_dir: str, slot: int, *, step: int, data_state: dict | None, fingerprint: str,
           leaves: Sequence[tuple[tuple[int, ...], str, list[tuple[tuple, np.ndarray]]]],
-          extra: dict | None = None) -> int:
+          extra: dict | None = None, threads: int = 1, stats: dict | None = None) -> int:
     """Writes one snapshot into ``slot``; returns the bytes written.
 
     Args:
       leaves: for each leaf of the state, ``(global shape, dtype name, [(index, block), ...])``
         with the blocks this process writes (possibly none).
+      threads: threads that write (``os.pwrite`` of disjoint byte ranges) and sum the bytes
+        (measured with 1.3 GB into /dev/shm on an H100 host: one thread 1.1 s, eight 0.115 s).
+      stats: filled with ``cpu_s``, the CPU time the writing threads other than the caller's
+        took together.
 
     Raises:
       TierFull: the directory has no room (the slot is left invalid, the other one untouched).
@@ -155,22 +160,22 @@ def write(rank_dir: str, slot: int, *, step: int, data_state: dict | None, finge
         except OSError as e:
             raise TierFull(e.errno, f"no room for a {total / 1e6:.1f} MB snapshot in {rank_dir}: "
                                     f"{e.strerror}") from None
+        placed = []  # (meta piece, contiguous block) in file order
         for shape, dtype, blocks in leaves:
             pieces = []
             for index, block in blocks:
                 block = np.ascontiguousarray(block)
-                view = memoryview(block.reshape(-1).view(np.uint8))
-                done = 0
-                try:
-                    while done < block.nbytes:
-                        done += os.pwrite(fd, view[done:], offset + done)
-                except OSError as e:
-                    raise TierFull(e.errno, f"writing a snapshot to {rank_dir}: "
-                                            f"{e.strerror}") from None
                 pieces.append({"index": [list(i) for i in index], "offset": offset,
-                               "nbytes": block.nbytes, "checksum": checksum(block)})
+                               "nbytes": block.nbytes})
+                placed.append((pieces[-1], block))
                 offset += block.nbytes
             meta.append({"shape": list(shape), "dtype": dtype, "pieces": pieces})
+        try:
+            sums = _write_blocks(fd, [(p["offset"], b) for p, b in placed], threads, stats)
+        except OSError as e:
+            raise TierFull(e.errno, f"writing a snapshot to {rank_dir}: {e.strerror}") from None
+        for (piece, _), total_sum in zip(placed, sums):
+            piece["checksum"] = total_sum
     finally:
         os.close(fd)
     header = {"format": FORMAT, "step": int(step), "data": data_state, "bytes": total,

@@ -1,9 +1,10 @@
 """A fault-tolerance test job: an MLP on digits with BackupAndRestore, and one injected fault.
 
     ft_train.py OUT BACKUP [--fault kill|stop|stuck|raise|none] [--rank R] [--at STEP] [--epochs E]
-        [--zero-stage K]
+        [--zero-stage K] [--hidden H] [--steps-per-execution K]
 
-On its first attempt (``JAXDIST_RESTART_COUNT=0``) rank R completes step STEP, then SIGKILLs or
+On its first attempt (``JAXDIST_RESTART_COUNT=0``; ``--at A,B``: on the first two, the second at
+step B) rank R completes step STEP (the first call's end at or past it), then SIGKILLs or
 SIGSTOPs itself, or gets stuck in its own Python (``stuck``: a loop that never returns, as an
 input pipeline that waits for ever; its peers wait inside the next step's collective), or raises
 a ValueError (``raise``: on every attempt, a fault that comes back). Rank 0 prints
@@ -29,22 +30,30 @@ ap.add_argument("out")
 ap.add_argument("backup")
 ap.add_argument("--fault", default="none")
 ap.add_argument("--rank", type=int, default=1)
-ap.add_argument("--at", type=int, default=5)
+ap.add_argument("--at", default="5", help="the step of the fault; a comma list: one per attempt")
 ap.add_argument("--epochs", type=int, default=2)
 ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an outside actor "
                 "can then act at a chosen step)")
 ap.add_argument("--zero-stage", type=int, default=0)
 ap.add_argument("--hidden", type=int, default=32)
+ap.add_argument("--steps-per-execution", type=int, default=1)
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+at = [int(a) for a in args.at.split(",")]
 me = jax.process_index()
 
 
 class Report(jaxdist.callbacks.Callback):
     """First in the list: a step at which BackupAndRestore stops the job is reported too."""
 
+    started = False
+
     def on_train_batch_end(self, info):
         time.sleep(args.sleep)
+        if me == 0 and not self.started:
+            self.started = True
+            print(f"attempt {attempt} started from {backup.restored_from} step "
+                  f"{backup.restored_step}", flush=True)
         if me == 0:
             print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
                   flush=True)
@@ -52,9 +61,10 @@ class Report(jaxdist.callbacks.Callback):
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
-        if args.fault == "raise" and me == args.rank and info.step == args.at:
+        if args.fault == "raise" and me == args.rank and info.step == at[0]:
             raise ValueError(f"rank {me} found bad data after step {info.step}")
-        if attempt == 0 and me == args.rank and info.step == args.at and args.fault != "none":
+        if (attempt < len(at) and me == args.rank and info.step >= at[attempt]
+                and args.fault not in ("none", "raise")):
             jax.block_until_ready(info.state)
             print(f"fault {args.fault} at step {info.step}", flush=True)
             if args.fault == "stuck":
@@ -74,7 +84,8 @@ state = models.create_train_state(models.MLP(hidden=(args.hidden,)), x[:1], seed
 backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
 history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                       strategy.distribute((x, y), 96, shuffle=True, seed=5),
-                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0)
+                      epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0,
+                      steps_per_execution=args.steps_per_execution)
 if me == 0:
     print(f"attempt {attempt} resumed from {backup.restored_from} step {backup.restored_step}",
           flush=True)

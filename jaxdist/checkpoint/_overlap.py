@@ -1,0 +1,84 @@
+"""How the in-memory tier's host copies overlap the training step (``jaxdist.memstate``).
+
+On a GPU or TPU a host copy (``jax.device_put`` to the ``pinned_host`` memory kind) reads its
+source buffers until it lands: tens of milliseconds for a GB over PCIe. A training step donates
+its state, so a step that follows a copy of the state itself waits for the copy (measured on an
+H100 with a 1.3 GB state and 41 ms steps: a copy every 4 steps cost 12% of steps/s, 58% while the
+pinned pool grew). The tier therefore copies an on-device *snapshot*: a compiled copy of the
+state, fresh buffers no step donates, which runs in order on the devices (3% of a step when taken
+every step), and the host copy of it overlaps the steps that follow; the snapshot is released
+once its host copy has landed, so one extra state of device memory is held while a copy is in
+flight, and a copy is skipped (not waited for) while the previous snapshot is still held.
+
+A device without room for that extra state (``memory_stats()``: its allocator's limit less the
+peak it has seen) gets the direct copy instead, said in one log line: copies then read the state
+itself and the step after one may wait for it (the cadence measures that and copies less often).
+Pinned host memory is grown once at the tier's start (a throwaway copy, not counted as a copy's
+cost); JAX allocates every ``device_put``'s destination anew, so reuse rests on XLA's pinned host
+allocator keeping what it grew, and the tier never holds more than two copies. On XLA:CPU (device
+memory is host memory) a copy is a compiled copy on each device, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxdist.checkpoint._copies import (
+    _device_room,
+    _is_host_device,
+    _pinned_copy,
+    _snapshot_to_host,
+    _warm_pinned_pool,
+)
+
+logger = logging.getLogger("jaxdist.checkpoint.memstate")
+
+
+class _Overlap:
+    """The tier's way of copying: ``snapshots`` (copy an on-device snapshot) or the direct copy."""
+
+    def __init__(self, snapshots: bool):
+        self.snapshots = snapshots
+
+    @classmethod
+    def start(cls, blocks: list) -> _Overlap | None:
+        """The way to copy ``blocks`` (this process's device buffers of the state), with the
+        pinned pool and the snapshot's compile warmed once; None on XLA:CPU (today's copy)."""
+        if not blocks or _is_host_device(blocks):
+            return None
+        room, why = _device_room(blocks)
+        try:
+            if room:
+                host, snap = _snapshot_to_host(blocks)  # compiles the copy, grows the pool
+                jax.block_until_ready(host)
+                del snap
+                _warm_pinned_pool(blocks, copies=1)  # a second copy held beside the first
+                del host
+                return cls(True)
+            _warm_pinned_pool(blocks, copies=2)
+        except (ValueError, NotImplementedError, TypeError, jax.errors.JaxRuntimeError) as e:
+            if room and "RESOURCE_EXHAUSTED" in str(e):
+                why = f"allocating a snapshot failed ({str(e).splitlines()[0][:200]})"
+            else:
+                logger.debug("no pinned host memory here (%s): a device-side copy instead", e)
+                return None
+        logger.warning("in-memory tier: copying the state directly, not through a device "
+                       "snapshot: %s. The step after each copy may wait for it; the tier copies "
+                       "less often to stay within its budget", why)
+        return cls(False)
+
+    def to_host(self, blocks: list) -> tuple[list, list | None]:
+        """``(host copies, the device snapshot they read or None)``, dispatched asynchronously."""
+        if self.snapshots:
+            try:
+                return _snapshot_to_host(blocks)
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                self.snapshots = False
+                logger.warning("in-memory tier: copying the state directly from now on: no device "
+                               "memory for a snapshot (%s). The step after each copy may wait for "
+                               "it", str(e).splitlines()[0][:200])
+        return _pinned_copy(blocks), None

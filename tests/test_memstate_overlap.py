@@ -1,0 +1,140 @@
+"""The in-memory tier's copies that overlap the step (an on-device snapshot, host-copied, released
+once landed; a direct copy when the device lacks room) and its writes from several threads."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist.checkpoint import _copies, _overlap, memstate
+from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.launch import _pwrite, _slots
+
+
+def _state(k):
+    return {"w": jnp.arange(256, dtype=jnp.float32).reshape(16, 16) + k,
+            "b": jnp.full((7,), float(k), jnp.bfloat16), "n": jnp.int32(k)}
+
+
+_donating = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+
+
+def _as_accelerator(monkeypatch):
+    """Makes the tier treat XLA:CPU's devices as an accelerator's (CPU has pinned_host too)."""
+    monkeypatch.setattr(_overlap, "_is_host_device", lambda blocks: False)
+
+
+def test_snapshots_are_copied_to_host_released_once_landed_and_survive_donation(
+        tmp_path, monkeypatch):
+    # before: no snapshot: on an accelerator the host copy read the buffers the next step donates
+    _as_accelerator(monkeypatch)
+    taken = []
+    real = _copies._snapshot_to_host
+
+    def spy(blocks):
+        host, snap = real(blocks)
+        taken.append(snap)
+        return host, snap
+
+    monkeypatch.setattr(_overlap, "_snapshot_to_host", spy)
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    state = _state(0)
+    held_most = 0
+    for k in range(1, 9):
+        state = _donating(state)  # deletes the buffers of the state saved last step
+        tier.save(k, state, {"epoch": 0, "position": k})
+        with tier._cond:
+            held_most = max(held_most, sum(c.held is not None for c, _ in tier._copies))
+    tier.flush()
+    assert tier._overlap.snapshots
+    assert len(taken) >= 2  # the warm-up's and the copies'
+    assert held_most <= 1  # one device snapshot at a time
+    with tier._cond:
+        assert tier._ready.held is None and not tier._copies  # released once landed
+    tier.close()
+    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    assert snap.step == 8
+    for a, b in zip(jax.tree.leaves(snap.state), jax.tree.leaves(_state(8))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_pool_warm_up_is_not_counted_as_a_copy(tmp_path, monkeypatch):
+    _as_accelerator(monkeypatch)
+    warmed = []
+    monkeypatch.setattr(_overlap, "_warm_pinned_pool",
+                        lambda blocks, copies: warmed.append(copies))
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier.save(1, _state(1))
+    assert warmed == [1]  # beside the snapshot's own warm-up copy: two copies' room
+    assert len(tier._cadence._loops) == 1  # only the real copy's dispatch was timed
+    tier.close()
+
+
+def test_a_device_without_room_for_a_snapshot_copies_directly_said_in_one_line(
+        tmp_path, monkeypatch, caplog):
+    _as_accelerator(monkeypatch)
+    monkeypatch.setattr(_overlap, "_device_room", lambda blocks: (False, "no room (test)"))
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    with caplog.at_level(logging.WARNING):
+        for k in range(1, 5):
+            assert tier.save(k, _state(k))
+            tier.flush()
+    said = [r.getMessage() for r in caplog.records if "not through a device snapshot" in r.message]
+    assert len(said) == 1 and "no room (test)" in said[0], said
+    assert not tier._overlap.snapshots
+    tier.close()
+    assert StateTier(str(tmp_path), rank=0).resume(_state(0)).step == 4
+
+
+def test_device_room_reads_the_allocators_limit_less_its_peak():
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+        def __repr__(self):
+            return "gpu:0"
+
+    def block(dev, nbytes):
+        return types.SimpleNamespace(sharding=types.SimpleNamespace(device_set={dev}),
+                                     nbytes=nbytes)
+
+    gb = 1 << 30
+    roomy = Dev({"bytes_limit": 10 * gb, "peak_bytes_in_use": 5 * gb, "bytes_in_use": 2 * gb})
+    tight = Dev({"bytes_limit": 10 * gb, "peak_bytes_in_use": 9 * gb, "bytes_in_use": 2 * gb})
+    assert _copies._device_room([block(roomy, 2 * gb), block(roomy, 2 * gb)]) == (True, "")
+    ok, why = _copies._device_room([block(tight, gb)])
+    assert not ok and "gpu:0" in why and "1074 MB" in why  # the peak counts, not what is in use
+    assert _copies._device_room([block(Dev(None), 100 * gb)])[0]  # no statistics: room assumed
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_parallel_writes_give_the_same_file_and_checksums(tmp_path, monkeypatch, threads):
+    # Small chunks, so that blocks span many ranges and chunk edges fall inside them.
+    monkeypatch.setattr(_pwrite, "_CHUNK_BYTES", 64)
+    monkeypatch.setattr(_slots, "_CHUNK_WORDS", 8)
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 255, n, dtype=np.uint8) for n in (0, 3, 64, 65, 1000, 4096 + 13)]
+    leaves = [((b.size,), "uint8", [(((0, b.size),), b)]) for b in blocks]
+    stats = {}
+    total = _slots.write(str(tmp_path), 0, step=1, data_state=None, fingerprint="f",
+                         leaves=leaves, threads=threads, stats=stats)
+    assert total == sum(b.size for b in blocks)
+    header = _slots.read_header(str(tmp_path), 0)
+    for i, b in enumerate(blocks):
+        (piece,) = _slots.pieces(header, i)
+        assert piece.checksum == _slots.checksum(b)
+        np.testing.assert_array_equal(_slots.read_piece(str(tmp_path), 0, header, i, piece), b)
+    assert stats["cpu_s"] >= 0
+
+
+def test_the_tier_writes_with_several_threads_beside_accelerators_only():
+    assert memstate._write_threads(host_is_device=True) == 1
+    assert memstate._write_threads(host_is_device=False) >= 1
