@@ -21,15 +21,21 @@ def test_bad_values_are_named_in_one_line(kwargs, named):
     assert "\n" not in str(e.value) and "expected" in str(e.value)
 
 
-def test_the_environment_gives_the_default(monkeypatch):
+def test_the_environment_gives_the_default(monkeypatch, caplog):
     assert MemoryTier.from_env() == MemoryTier()
     monkeypatch.setenv(memstate.ENV_EVERY, "3")
     monkeypatch.setenv(memstate.ENV_BUDGET, "0.02")
     monkeypatch.setenv("JAXDIST_MEMORY_TIER", "0")
     assert MemoryTier.from_env() == MemoryTier(every=3, budget=0.02, enabled=False)
-    monkeypatch.setenv("JAXDIST_MEMORY_TIER", "off")
-    with pytest.raises(ValueError, match="JAXDIST_MEMORY_TIER='off': expected 0"):
-        MemoryTier.from_env()
+    for off in ("off", "false", "No"):  # the launcher's spellings (issue 37)
+        monkeypatch.setenv("JAXDIST_MEMORY_TIER", off)
+        assert not MemoryTier.from_env().enabled
+    # the tier is optional: a bad value is one warning and the default, never an error in every rank
+    monkeypatch.setenv("JAXDIST_MEMORY_TIER", "maybe")
+    monkeypatch.setenv(memstate.ENV_EVERY, "0")
+    assert MemoryTier.from_env() == MemoryTier(every=None, budget=0.02, enabled=True)
+    assert "JAXDIST_MEMORY_TIER='maybe': expected 1" in caplog.text
+    assert "JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number" in caplog.text
 
 
 def test_a_policy_in_code_sets_the_cadence_over_the_environment(tmp_path, monkeypatch):

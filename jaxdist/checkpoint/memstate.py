@@ -62,6 +62,8 @@ from jaxdist.checkpoint._copies import (
     _writes_replicated,
 )
 from jaxdist.checkpoint._overlap import _Overlap
+from jaxdist.checkpoint.tier_policy import ENV_BUDGET as ENV_BUDGET
+from jaxdist.checkpoint.tier_policy import ENV_EVERY as ENV_EVERY
 from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 from jaxdist.core._types import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
@@ -86,10 +88,6 @@ from jaxdist.launch.heartbeat import write_atomic
 
 logger = logging.getLogger(__name__)
 
-ENV_EVERY = "JAXDIST_MEMORY_TIER_EVERY"
-"""Snapshot every N steps instead of the measured cadence (``1``: every step)."""
-ENV_BUDGET = "JAXDIST_MEMORY_TIER_BUDGET"
-"""The share of steps/s the tier may cost (default 0.05)."""
 _MARGIN = 64 << 20  # room left free in the directory beyond two slots
 _PENDING_SMALL = 64 << 20  # host memory small snapshots' copies may hold while they wait
 _write_atomic = write_atomic  # the name tests and older code use
@@ -110,22 +108,6 @@ class Snapshot(NamedTuple):
     state: PyTree
     data_state: dict | None
     source: int
-
-
-def _env_number(name: str, kind: type, default: Any, ok) -> Any:
-    text = os.environ.get(name)
-    if text is None or text == "":
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value) or value != value:  # value != value: NaN
-        # The tier is optional: a bad setting must not end every rank of the job.
-        logger.warning("%s=%r: expected %s; using the default (%s)", name, text, ok.__doc__,
-                       "measured" if default is None else default)
-        return default
-    return value
 
 
 def _positive_int(v):
@@ -186,9 +168,10 @@ class StateTier:
             if not policy.enabled:
                 self.directory = None  # off: every method does nothing
         self._rank = rank
-        every = every if every is not None else _env_number(ENV_EVERY, int, None, _positive_int)
-        budget = budget if budget is not None else _env_number(ENV_BUDGET, float, DEFAULT_BUDGET,
-                                                               _fraction)
+        if every is None or budget is None:  # what the code leaves open, the environment says
+            env = MemoryTier.from_env()
+            every = env.every if every is None else every
+            budget = env.budget if budget is None else budget
         if every is not None and not _positive_int(every):
             raise ValueError(f"every={every!r}: expected {_positive_int.__doc__}")
         if not _fraction(budget):

@@ -11,16 +11,26 @@ cheap to build, safe to share and compare.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
+from typing import Any
 
-DEFAULT_BUDGET = 0.05
-ENV_TIER = "JAXDIST_MEMORY_TIER"
-"""``0`` switches the tier off."""
+from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch._tierfiles import ENV_TIER as ENV_TIER
+from jaxdist.launch._tierfiles import tier_on
+
+logger = logging.getLogger(__name__)
+
 ENV_EVERY = "JAXDIST_MEMORY_TIER_EVERY"
+"""Snapshot every N steps instead of the measured cadence (``1``: every step)."""
 ENV_BUDGET = "JAXDIST_MEMORY_TIER_BUDGET"
+"""The share of steps/s the tier may cost (default 0.05)."""
 
 
-def _env(name: str, kind: type, default, expected: str, ok):
+def _env(name: str, kind: type, default: Any, expected: str, ok) -> Any:
+    """A variable's value, or ``default`` with one warning when it does not parse or is out of
+    range: the tier is optional, so a bad setting must not end every rank of the job."""
     text = os.environ.get(name, "")
     if text == "":
         return default
@@ -28,8 +38,10 @@ def _env(name: str, kind: type, default, expected: str, ok):
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not ok(value):
-        raise ValueError(f"{name}={text!r}: expected {expected}")
+    if value is None or (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+        logger.warning("%s=%r: expected %s; using the default (%s)", name, text, expected,
+                       "measured" if default is None else default)
+        return default
     return value
 
 
@@ -74,8 +86,8 @@ class MemoryTier:
     def from_env(cls) -> MemoryTier:
         """The policy the environment sets (``JAXDIST_MEMORY_TIER``, ``..._EVERY``, ``..._BUDGET``).
 
-        Raises:
-          ValueError: a variable that does not parse, named with what is expected.
+        A value that does not parse is one warning naming it, and the default is used (the tier
+        is optional: a typo must not end every rank of a job).
 
         >>> MemoryTier.from_env() == MemoryTier()  # none of them set
         True
@@ -83,7 +95,9 @@ class MemoryTier:
         every = _env(ENV_EVERY, int, None, "a whole number of steps >= 1", lambda v: v >= 1)
         budget = _env(ENV_BUDGET, float, DEFAULT_BUDGET, "a number in (0, 1), e.g. 0.05 for 5% "
                       "of steps/s", lambda v: 0 < v < 1)
-        switch = os.environ.get(ENV_TIER, "1")
-        if switch not in ("0", "1", ""):
-            raise ValueError(f"{ENV_TIER}={switch!r}: expected 0 (off) or 1 (on)")
-        return cls(every=every, budget=budget, enabled=switch != "0")
+        try:
+            enabled = tier_on(os.environ.get(ENV_TIER))
+        except ValueError as e:
+            logger.warning("%s; the tier stays on", e)
+            enabled = True
+        return cls(every=every, budget=budget, enabled=enabled)

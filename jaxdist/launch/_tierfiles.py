@@ -14,6 +14,26 @@ from typing import Any
 from jaxdist.launch.heartbeat import write_atomic
 
 DEFAULT_BUDGET = 0.05
+ENV_TIER = "JAXDIST_MEMORY_TIER"
+"""``0`` (or false/off/no) switches the in-memory tier off."""
+
+
+def tier_on(text: str | None) -> bool:
+    """Whether a ``JAXDIST_MEMORY_TIER`` value leaves the in-memory tier on (the default).
+
+    Raises:
+      ValueError: a value that is none of the spellings, named with what is expected.
+
+    >>> tier_on(None), tier_on("off"), tier_on("1"), tier_on("No")
+    (True, False, True, False)
+    """
+    word = (text or "").strip().lower()
+    if word in ("0", "false", "off", "no"):
+        return False
+    if word in ("1", "true", "on", "yes", ""):
+        return True
+    raise ValueError(f"{ENV_TIER}={text!r}: expected 1 (on, the default) or 0 "
+                     "(also true/false, on/off, yes/no)")
 """The share of steps/s the tier may cost by default."""
 
 

@@ -149,13 +149,7 @@ def _tier_on(env: Mapping[str, str]) -> bool:
     >>> _tier_on({}), _tier_on({"JAXDIST_MEMORY_TIER": "off"}), _tier_on({"JAXDIST_MEMORY_TIER": "1"})
     (True, False, True)
     """
-    text = env.get("JAXDIST_MEMORY_TIER", "1").strip().lower()
-    if text in ("0", "false", "off", "no"):
-        return False
-    if text in ("1", "true", "on", "yes", ""):
-        return True
-    raise ValueError(f"JAXDIST_MEMORY_TIER={text!r}: expected 1 (on, the default) or 0 "
-                     "(also true/false, on/off, yes/no)")
+    return _tierfiles.tier_on(env.get(_tierfiles.ENV_TIER))
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
