@@ -159,3 +159,25 @@ def test_a_4_epoch_fit_sends_an_in_memory_dataset_to_the_devices_once(fit_option
     # The count sees the batches when they come from the host: every epoch sends them again.
     host, _ = _fit_transfers("{'on_device': False}", fit_options)
     assert host >= 4 * dataset_bytes, (host, dataset_bytes)
+
+
+def test_an_iterables_whole_batches_are_copied_once_where_placing_copies(monkeypatch):
+    # On GPUs and TPUs placing host rows copies them (into the runtime's staging memory), so a
+    # whole batch is handed over as it came; on CPU devices it is copied into an aligned buffer of
+    # ours, which XLA:CPU then uses in place. Either way the batches are the same.
+    import threading
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    source = [(x[:8],), (x[8:16],), (x[16:],)]  # the last batch is padded: always gathered
+    dist = s.distribute(source, 8, prefetch=0)
+    seen = {}
+    for copies in (False, True):
+        monkeypatch.setattr(type(dist), "_put_copies", lambda self, c=copies: c)
+        hosts = list(dist._host_batches(0, 0, 0, threading.Event()))
+        shared = [np.shares_memory(h.local[0], item[0]) for h, item in zip(hosts, source)]
+        assert shared == [copies, copies, False]
+        seen[copies] = [(np.asarray(b.data[0]), np.asarray(b.mask)) for b in dist]
+    for (a, m), (b, n) in zip(seen[False], seen[True], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(m, n)

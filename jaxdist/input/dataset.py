@@ -327,7 +327,18 @@ class DistributedDataset:
             emitted += 1
             if emitted <= position:
                 continue
-            yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
+            if b == gb and (rows.start, rows.stop) == (0, gb) and self._put_copies():
+                # The whole batch as it came: the transfer's own copy is the only one.
+                yield _Host(jax.tree.map(np.asarray, item), np.ones(gb, bool), gb)
+            else:
+                yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
+
+    def _put_copies(self) -> bool:
+        """Whether placing host rows copies them during the call (GPU, TPU: into the runtime's
+        staging memory), so that a batch handed over as it came needs no copy of ours. XLA:CPU
+        instead uses an aligned host buffer in place, which must then be ours (``_take_rows``): a
+        generator may refill the buffer it yielded."""
+        return next(iter(self.strategy.layout.batch.device_set)).platform != "cpu"
 
     def _per_process(self, source: Any, rows: slice, position: int,
                      sync: StepSync) -> Iterator[_Host]:
