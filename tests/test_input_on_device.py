@@ -181,3 +181,22 @@ def test_an_iterables_whole_batches_are_copied_once_where_placing_copies(monkeyp
     for (a, m), (b, n) in zip(seen[False], seen[True], strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(m, n)
+
+
+def test_a_loop_of_grouped_calls_sends_nothing_per_call_once_warm():
+    # steps_per_execution's count is placed once per value; the stacks come from a dataset already
+    # on the devices. JAX's guard raises on any host -> device transfer, explicit or implicit.
+    import jax.numpy as jnp
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    step = s.step(lambda w, b: (w + jnp.sum(jnp.where(b.mask, b.data, 0.0)), {"m": jnp.sum(b.data)}))
+    groups = list(s.distribute(np.arange(64, dtype=np.float32), 8).iterator(group_size=3))
+    w = s.put(jnp.float32(0))
+    for g in groups[:2]:  # compile, and place each count once (3, then 2 for the last group)
+        w, _ = step.steps(w, g.batches, len(g.num_real))
+    w, _ = step.steps(w, groups[-1].batches, len(groups[-1].num_real))
+    with jax.transfer_guard_host_to_device("disallow"):
+        for g in groups:
+            w, m = step.steps(w, g.batches, len(g.num_real))
+        jax.block_until_ready((w, m))
+    assert float(w) == 2 * float(np.arange(64).sum())  # two epochs
