@@ -78,5 +78,27 @@ if [ ${#parts[@]} -gt 0 ]; then
     say "merged ${#parts[@]} part(s): exit code $? ($OUT/gpt.md)"
     cat "$OUT/gpt.md"
 fi
+# ---- issue 35: the input path (benchmarks/overhead.py) ------------------------------------------
+# The MLP 784-256-128-10 at batch 512 and the tiny MLP 64-32-10 at batch 32 on one device: fit
+# (dataset on the device), fit_host (gathered on the host, sent each epoch), fit_iter (an iterable
+# streamed by the producer thread), fit_k (steps_per_execution=9) against the hand-written loop on
+# placed batches. Their agreement is checked in a separate pass at the highest matmul precision.
+# Its own limits (OVERHEAD_LIMIT, 150 s each), outside BUDGET; OVERHEAD=0 skips it. Writes
+# $OUT/overhead_gpu_{mlp,tiny}.{txt,json} (4 files), and the tables go to session.log's end.
+if [ "${OVERHEAD:-1}" != 0 ]; then
+    for model in mlp tiny; do
+        extra=()
+        [ "$model" = mlp ] && extra=(--devices 1 --reps 12 --steps 64)
+        [ "$model" = tiny ] && extra=(--reps 12 --steps 72)
+        say "overhead_gpu_$model: start (limit ${OVERHEAD_LIMIT:-150}s)"
+        timeout -k 10 "${OVERHEAD_LIMIT:-150}" "$PY" benchmarks/overhead.py --model "$model" \
+            "${extra[@]}" ${OVERHEAD_ARGS:-} --loops hand hand_fed distribute fit fit_k fit_host fit_iter \
+            --json "$OUT/overhead_gpu_$model.json" > "$OUT/overhead_gpu_$model.txt" 2>&1
+        say "overhead_gpu_$model: exit code $?"
+        grep -A12 '^| loop |' "$OUT/overhead_gpu_$model.txt" >> "$LOG"
+    done
+fi
+# ---- end issue 35 --------------------------------------------------------------------------------
+
 uptime >> "$LOG"
 say "done"

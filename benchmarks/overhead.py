@@ -16,13 +16,25 @@ them on a prefetch thread) instead of pre-placed ones; `fit` also reads metrics 
 callbacks: they are what users run. `fit_k` is `fit` with `steps_per_execution=K` (`--spe`, default
 9): K steps per compiled call. `hand_fed` is the hand-written step fed the same batches from host
 arrays with `jax.device_put` each step: the input cost a hand-written loop pays too; the fed loops
-are also printed against it.
+are also printed against it. `fit_host` is `fit` with the dataset's batches gathered on the host and
+sent each epoch (`distribute(..., on_device=False)`, what every in-memory dataset did before they
+were kept on the devices); `fit_iter` is `fit` over an iterable of the same host batches (a
+generator function), which a producer thread streams ahead of the step.
+
+The loops must end on the hand-written loop's parameters. `--check final` (the default on CPU)
+compares the timed loops' final parameters (rtol 1e-4); on a GPU or TPU, whose default matmul
+precision (TF32 / bfloat16 passes) lets programs that differ in their masking or looping drift
+apart, `--check highest` (the default there) runs every loop again for 8 steps (at most `--steps`)
+from the same state at `jax.default_matmul_precision("highest")` and compares those at the same
+tolerance, and prints the timed loops' largest difference without failing on it. `--json PATH`
+writes the table.
 
 `--model tiny` is the dispatch-bound case: an MLP 64-32-10 on the digits, batch 32, 1 device by
 default, where the host's work per step decides the speed (a small model on a fast accelerator):
 
     python benchmarks/overhead.py [--devices 8] [--reps 24] [--steps 64] [--loops global fit ...]
     python benchmarks/overhead.py --model tiny [--reps 24] [--steps 72]
+    python benchmarks/overhead.py --devices 1 --loops fit fit_host fit_iter   # the input path
 
 The summary ends with the table of host CPU per step and throughput against the hand-written loop,
 and the ratios the targets name: fit and distribute / hand_fed CPU (<= 1.25), per_replica and readme
@@ -32,6 +44,7 @@ and the ratios the targets name: fit and distribute / hand_fed CPU (<= 1.25), pe
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -54,8 +67,13 @@ def main() -> None:
     ap.add_argument("--spe", type=int, default=9, help="fit_k's steps_per_execution")
     ap.add_argument("--loops", nargs="+",
                     default=["hand", "global", "per_replica", "readme", "masked", "hand_fed", "distribute",
-                             "fit", "fit_k"],
-                    help="which loops to time (hand is the baseline and always runs)")
+                             "fit", "fit_k", "fit_iter"],
+                    help="which loops to time (hand is the baseline and always runs); also "
+                         "distribute_thread, fit_host")
+    ap.add_argument("--check", choices=("auto", "final", "highest"), default="auto",
+                    help="how the loops' agreement is checked (auto: final on CPU, highest "
+                         "elsewhere; see the module docstring)")
+    ap.add_argument("--json", help="write the table and the run's facts to this file")
     args = ap.parse_args()
     args.loops = ["hand", *[n for n in args.loops if n != "hand"]]
 
@@ -145,6 +163,13 @@ def main() -> None:
     xo, yo = x[order], y[order]
     dataset = strategy.distribute((xo, yo), args.batch)
     thread_dataset = strategy.distribute((xo, yo), args.batch, prefetch=2)
+    host_dataset = strategy.distribute((xo, yo), args.batch, on_device=False)
+
+    def host_batches():  # an iterable source: the same batches, made on the host
+        for lo in range(0, len(yo), args.batch):
+            yield xo[lo:lo + args.batch], yo[lo:lo + args.batch]
+
+    iter_dataset = strategy.distribute(host_batches, args.batch)
 
     stalls: list[float] = []  # the distribute loop's waits for its input, per timed window
 
@@ -158,13 +183,19 @@ def main() -> None:
     def distribute_thread(state, steps):  # batches made ahead on a prefetch thread (prefetch=2)
         return distribute_fed(state, steps, thread_dataset)
 
-    def fit(state, steps, k=1):
+    def fit(state, steps, k=1, dataset=dataset):
         history = jaxdist.fit(ours_masked, state, dataset, epochs=1, steps_per_epoch=steps,
                               verbose=0, **({"steps_per_execution": k} if k > 1 else {}))
         return history.state, history.state.step
 
     def fit_k(state, steps):  # K steps per compiled call
         return fit(state, steps, args.spe)
+
+    def fit_host(state, steps):  # in-memory batches gathered on the host, sent every epoch
+        return fit(state, steps, dataset=host_dataset)
+
+    def fit_iter(state, steps):  # an iterable, streamed ahead by the producer thread
+        return fit(state, steps, dataset=iter_dataset)
 
     def hand_fed(state, steps):  # a hand-written loop that feeds host arrays, as experts write it
         for i in range(steps):
@@ -188,19 +219,22 @@ def main() -> None:
             return state, m
         return run
 
-    states = {"hand": jax.device_put(make_state(), rep), "hand_fed": jax.device_put(make_state(), rep),
-              "global": strategy.put(make_state()),
-              "per_replica": make_state(), "readme": make_state(), "masked": strategy.put(make_state()),
-              "distribute": strategy.put(make_state()),
-              "distribute_thread": strategy.put(make_state()),
-              "fit": strategy.put(make_state()), "fit_k": strategy.put(make_state())}
+    def fresh_states():
+        placed = {n: strategy.put(make_state())
+                  for n in ("global", "masked", "distribute", "distribute_thread", "fit", "fit_k",
+                            "fit_host", "fit_iter")}
+        return {"hand": jax.device_put(make_state(), rep),
+                "hand_fed": jax.device_put(make_state(), rep),
+                "per_replica": make_state(), "readme": make_state(), **placed}
+
+    states = fresh_states()
     loops = {"hand": loop_over(hand, hand_batches, sync_every=8), "hand_fed": hand_fed,
              "global": loop_over(ours, our_batches),
              "per_replica": loop_over(per_replica, our_batches),
              "readme": loop_over(readme, our_batches),
              "masked": loop_over(ours_masked, masked_batches),
              "distribute": distribute_fed, "distribute_thread": distribute_thread, "fit": fit,
-             "fit_k": fit_k}
+             "fit_k": fit_k, "fit_host": fit_host, "fit_iter": fit_iter}
     names = [n for n in loops if n in args.loops]
 
     def timed(name):
@@ -231,7 +265,8 @@ def main() -> None:
             f"{n} {speed[n]:7.1f} steps/s" + ("" if n == "hand" else f" ({speed[n] / speed['hand']:.3f})")
             for n in names))
     print(f"\n{len(devices)} devices, {model_name}, global batch {args.batch}, "
-          f"{args.steps} steps x {args.reps} interleaved reps (jax {jax.__version__})")
+          f"{args.steps} steps x {args.reps} interleaved reps (jax {jax.__version__}, "
+          f"{devices[0].device_kind})")
     for n in names:
         print(f"median throughput {n:12s} {statistics.median(rows[n]) * args.batch:10,.0f} ex/s")
     for n in names[1:]:
@@ -259,9 +294,14 @@ def main() -> None:
               "ms of CPU per step)")
     # The issue's table: what a step costs the host, and what the devices get done.
     print("\n| loop | host CPU per step | throughput vs hand-written |\n|---|---|---|")
+    table = []
     for n in names:
-        ratio = statistics.median([o / h for o, h in zip(rows[n], rows["hand"])])
+        ratios = [o / h for o, h in zip(rows[n], rows["hand"])]
+        ratio = statistics.median(ratios)
         print(f"| {n} | {statistics.median(cpu[n]) * 1e3:.3f} ms | {ratio:.2f} |")
+        table.append({"loop": n, "cpu_ms_per_step": statistics.median(cpu[n]) * 1e3,
+                      "vs_hand": ratio, "vs_hand_min": min(ratios), "vs_hand_max": max(ratios),
+                      "examples_per_s": statistics.median(rows[n]) * args.batch})
     for a, b, target in (("fit", "hand_fed", "<= 1.25"), ("distribute", "hand_fed", "<= 1.25"),
                          ("per_replica", "global", "<= 1.5"), ("readme", "global", "<= 1.5")):
         if a in names and b in names:
@@ -273,10 +313,36 @@ def main() -> None:
         print(f"fit_k (steps_per_execution={args.spe}) / fit steps/s: median "
               f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}; "
               "target >= 2 on the tiny model at K=9)")
-    final = {n: jax.tree.leaves(jax.device_get(strategy.to_mirrored(states[n]).params))[0]
-             for n in names}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model_name, "devices": len(devices), "batch": args.batch,
+                       "steps": args.steps, "reps": args.reps, "spe": args.spe,
+                       "device_kind": devices[0].device_kind, "platform": devices[0].platform,
+                       "jax": jax.__version__, "table": table}, f, indent=1)
+    check = args.check if args.check != "auto" else (
+        "final" if devices[0].platform == "cpu" else "highest")
+
+    def first_params(found):
+        return {n: jax.tree.leaves(jax.device_get(strategy.to_mirrored(found[n]).params))[0]
+                for n in names}
+
+    final = first_params(states)
+    if check == "highest":
+        worst = max(float(np.max(np.abs(final["hand"] - final[n]))) for n in names[1:])
+        print(f"timed loops' parameters at the default matmul precision: largest difference from "
+              f"the hand-written loop's {worst:.2e} (not checked)")
+        # Every loop again from the same state, where programs that mask or loop differently
+        # compute the same matmuls: the agreement that tells whether they compute the same step.
+        with jax.default_matmul_precision("highest"):
+            fresh = fresh_states()
+            for n in names:
+                fresh[n] = loops[n](fresh[n], min(8, args.steps))[0]
+            jax.block_until_ready(fresh)
+        final = first_params(fresh)
     for n in names[1:]:  # same computation, so the same parameters after the same steps
-        np.testing.assert_allclose(final["hand"], final[n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(final["hand"], final[n], rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{n} ended away from the hand-written loop ({check})")
+    print(f"every loop ended on the hand-written loop's parameters (check: {check})")
     del jnp
 
 

@@ -23,23 +23,27 @@ def test_overhead_bench_times_every_loop_and_prints_ratios():
     for loop in ("global", "per_replica", "masked", "hand_fed", "distribute", "fit", "fit_k"):
         assert f"{loop} / hand-written steps/s: min" in proc.stdout, loop
     assert "distribute / hand-written fed from host arrays: median" in proc.stdout
+    assert "every loop ended on the hand-written loop's parameters (check: final)" in proc.stdout
 
 
 def test_overhead_bench_tiny_model_prints_the_host_cpu_table_and_target_ratios():
     # The dispatch-bound case of the table: MLP 64-32-10 on the digits, 1 device.
     proc = run_python([os.path.join(REPO, "benchmarks", "overhead.py"), "--model", "tiny",
-                       "--reps", "2", "--steps", "10", "--spe", "4"], timeout=300)
+                       "--reps", "2", "--steps", "10", "--spe", "4", "--check", "highest"],
+                      timeout=600)  # ten loops compiled twice (the highest-precision pass)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "1 devices, MLP 64-32-10 on the digits, global batch 32" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines()
             if line.startswith("| ") and " ms |" in line}
     assert set(rows) == {"hand", "global", "per_replica", "readme", "masked", "hand_fed",
-                         "distribute", "fit", "fit_k"}, rows
+                         "distribute", "fit", "fit_k", "fit_iter"}, rows
     for a, b in (("fit", "hand_fed"), ("distribute", "hand_fed"), ("per_replica", "global"),
                  ("readme", "global")):
         assert f"CPU per step {a} / {b}: median" in out, (a, b)
     assert "fit_k (steps_per_execution=4) / fit steps/s: median" in out
+    # The GPU's check (a separate pass at the highest matmul precision) runs on CPUs too.
+    assert "every loop ended on the hand-written loop's parameters (check: highest)" in out
 
 
 def test_cnn_pool_bench_compares_both_poolings_per_device_count():

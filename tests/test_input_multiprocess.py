@@ -81,3 +81,13 @@ def test_a_failing_pipeline_is_reported_to_the_other_process_at_once(ranks):
 def test_a_dataset_read_on_one_process_only_times_out_naming_the_other(ranks):
     assert ranks[0]["alone"].startswith(
         "input step 0: process(es) [1] of [0, 1] did not report within 3 s")
+
+
+def test_in_memory_batches_gathered_on_the_devices_are_the_hosts_across_processes(ranks):
+    for r in ranks:
+        for where, (host, device) in r["in_memory"].items():
+            assert host and host == device, where  # rows, mask, position, real counts
+    # Each process holds its own rows of every batch: together, each example once an epoch.
+    ids = [row for r in ranks for batch in r["in_memory"]["{}"][1] for row, real in
+           zip(batch[0][0], batch[1][r["rank"] * 4:(r["rank"] + 1) * 4]) if real]
+    assert sorted(ids) == list(range(45))

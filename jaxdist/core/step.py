@@ -256,6 +256,7 @@ class DistributedStep:
         self._in_flight = InFlight(max_in_flight)
         self._compiled: dict[Any, tuple[Callable, bool]] = {}
         self._plan: _Plan | None = None
+        self._counts: dict[int, jax.Array] = {}  # steps() counts, placed once each
 
     def __repr__(self) -> str:
         return f"DistributedStep({getattr(self._fn, '__qualname__', self._fn)!r}, {self.strategy!r})"
@@ -359,6 +360,16 @@ class DistributedStep:
         with self.strategy.layout.mesh_context():
             return self._call_steps(state, batches, np.int32(count))
 
+    def _placed_count(self, count: np.int32) -> jax.Array:
+        """``count`` on the devices, placed once: a loop of ``steps`` calls sends nothing for it."""
+        placed = self._counts.get(int(count))
+        if placed is None:
+            on, value = self.strategy.layout.replicated, np.asarray(count, np.int32)
+            placed = self._counts[int(count)] = (
+                jax.device_put(value, on) if jax.process_count() == 1
+                else jax.make_array_from_process_local_data(on, value, value.shape))
+        return placed
+
     def _placed_stack(self, batches: PyTree) -> tuple[PyTree, Any]:
         layout = self.strategy.layout
         on = stacked_sharding(layout.batch)
@@ -386,7 +397,7 @@ class DistributedStep:
         if entry is None:
             entry = self._compiled[key] = self._build_steps(state, batches)
         compiled, keeps_state = entry
-        out = compiled(state, batches, count)
+        out = compiled(state, batches, self._placed_count(count))
         if keeps_state:
             self._in_flight.add(out[1], out[0], trains=True, steps=int(count))
         else:
@@ -542,7 +553,7 @@ class DistributedStep:
             entry = self._compiled[key] = (compiled, keeps, functools.partial(
                 join_static, out_def, out_statics))
         compiled, keeps, rebuild = entry
-        out = compiled(arrays, batches, count)
+        out = compiled(arrays, batches, self._placed_count(count))
         if keeps:
             new, extras = out
             self._in_flight.add(extras, new, trains=True, steps=int(count))

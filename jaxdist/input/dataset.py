@@ -12,6 +12,13 @@ batches in one dispatch. A transfer costs the host about as much for eight small
 one, so this takes most of the input's host work off a small model's steps. A stack of batches
 for several steps in one compiled call (``fit``'s ``steps_per_execution``) is made the same way,
 without the split.
+
+In-memory arrays that fit a memory budget (``on_device``; see ``ON_DEVICE_FRACTION``) are placed on
+the devices once, a full copy on each local device, the first time the dataset is iterated. Every
+batch, chunk or stack is then gathered there from the indices the host computes exactly as it does
+for host rows (the same order, padding, masks and resume positions): per batch the host sends a few
+bytes of indices instead of the rows, and each device gathers its own rows from its own copy, with
+no traffic between devices.
 """
 
 from __future__ import annotations
@@ -51,6 +58,20 @@ AHEAD_BATCHES = 8
 """The most batches of in-memory arrays placed on the devices ahead of use (made in one go)."""
 AHEAD_BYTES = 16 << 20
 """...and the most bytes of them (global batch bytes; each device holds its share)."""
+ON_DEVICE_FRACTION = 0.25
+"""``on_device=None`` keeps in-memory arrays on the devices when their bytes are at most this share
+of the smallest local device's memory (``device.memory_stats()["bytes_limit"]``): each local device
+holds a full copy."""
+ON_DEVICE_HOST_BYTES = 1 << 30
+"""...and where JAX reports no device memory (CPU devices share the host's): when their bytes times
+the number of local devices (one copy each) are at most this."""
+
+
+class _Indices(NamedTuple):
+    """Rows to gather on the devices from the dataset placed there: this process's rows of a batch
+    ``(rows,)`` or of a stack of batches ``(size, rows)``, int32."""
+
+    idx: np.ndarray
 
 
 class _Host(NamedTuple):
@@ -101,7 +122,10 @@ class DistributedDataset:
                  shuffle: bool = False, seed: int = 0, drop_remainder: bool = False,
                  prefetch: int | None = None,
                  auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
-                 sync_timeout_s: float = 300.0):
+                 sync_timeout_s: float = 300.0, on_device: bool | None = None):
+        if on_device not in (None, True, False):
+            raise ValueError(f"on_device must be None (on the devices when the arrays fit "
+                             f"ON_DEVICE_FRACTION of their memory), True or False, got {on_device!r}")
         in_memory = isinstance(data, (tuple, dict, np.ndarray, jax.Array))
         if prefetch is None:
             # In-memory rows cost one gather and an asynchronous transfer, less than handing them
@@ -134,6 +158,7 @@ class DistributedDataset:
                             for a in jax.tree.leaves(self._arrays))
             self._ahead = int(max(1, min(AHEAD_BATCHES,
                                          AHEAD_BYTES // max(1, row_bytes * global_batch_size))))
+            self._on_device = self._keep_on_device(on_device, row_bytes * self._num_examples)
         elif isinstance(data, Iterable) or callable(data):
             if shuffle:
                 raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
@@ -181,6 +206,43 @@ class DistributedDataset:
         self._full_mask = None  # the device mask of a batch without padding, made once
         self._arrays = None
         self._ahead = 1  # batches placed ahead of use at a time (in-memory arrays: see __init__)
+        self._on_device = False  # in-memory arrays gathered on the devices (see _keep_on_device)
+        self._device_arrays = None  # ... placed there on first use
+        self._placing = threading.Lock()
+        self._gathers: dict = {}  # compiled gathers, by the shape of what they make
+        self._full_masks: dict = {}  # the device mask of a stack of full batches, by its shape
+
+    def _keep_on_device(self, on_device: bool | None, nbytes: int) -> bool:
+        """Whether the in-memory arrays (``nbytes``) are gathered on the devices (see
+        ``ON_DEVICE_FRACTION``): ``on_device`` when it is given, else when they fit the budget."""
+        if any(a.dtype.hasobject for a in jax.tree.leaves(self._arrays)):
+            if on_device:
+                raise ValueError("on_device=True needs numeric arrays; this dataset has an object "
+                                 "array (strings?), which only the host can index: leave on_device "
+                                 "unset or pass False")
+            return False
+        if on_device is not None:
+            return on_device
+        devices = list(self.strategy.layout.batch.addressable_devices)
+        limits = []
+        for d in devices:
+            try:
+                stats = d.memory_stats()
+            except Exception:  # a backend without memory statistics
+                stats = None
+            if not stats or "bytes_limit" not in stats:
+                return nbytes * len(devices) <= ON_DEVICE_HOST_BYTES
+            limits.append(int(stats["bytes_limit"]))
+        keep = nbytes <= ON_DEVICE_FRACTION * min(limits)
+        if not keep:
+            logger.info("distribute: %.1f MB of arrays exceed %.0f%% of a device's memory; their "
+                        "batches are gathered on the host", nbytes / 1e6, ON_DEVICE_FRACTION * 100)
+        return keep
+
+    @property
+    def on_device(self) -> bool:
+        """Whether batches are gathered on the devices from arrays placed there once."""
+        return self._on_device
 
     def __len__(self) -> int:
         """Batches per epoch (in-memory datasets only)."""
@@ -243,9 +305,10 @@ class DistributedDataset:
         if self._arrays is not None:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
                      if self.shuffle else np.arange(self._num_examples))
+            take = _as_indices if self._on_device else functools.partial(_take_rows, self._arrays)
             for k in range(position, len(self)):
                 idx = order[k * gb:(k + 1) * gb]
-                yield self._pad(idx, rows, lambda i: _take_rows(self._arrays, i))
+                yield self._pad(idx, rows, take)
             return
         source = self._iterable() if callable(self._iterable) else self._iterable
         if self.auto_shard_policy is not AutoShardPolicy.DATA:
@@ -264,7 +327,18 @@ class DistributedDataset:
             emitted += 1
             if emitted <= position:
                 continue
-            yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
+            if b == gb and (rows.start, rows.stop) == (0, gb) and self._put_copies():
+                # The whole batch as it came: the transfer's own copy is the only one.
+                yield _Host(jax.tree.map(np.asarray, item), np.ones(gb, bool), gb)
+            else:
+                yield self._pad(np.arange(b), rows, lambda i, item=item: _take_rows(item, i))
+
+    def _put_copies(self) -> bool:
+        """Whether placing host rows copies them during the call (GPU, TPU: into the runtime's
+        staging memory), so that a batch handed over as it came needs no copy of ours. XLA:CPU
+        instead uses an aligned host buffer in place, which must then be ours (``_take_rows``): a
+        generator may refill the buffer it yielded."""
+        return next(iter(self.strategy.layout.batch.device_set)).platform != "cpu"
 
     def _per_process(self, source: Any, rows: slice, position: int,
                      sync: StepSync) -> Iterator[_Host]:
@@ -319,8 +393,11 @@ class DistributedDataset:
             if count < size:
                 idx = np.concatenate([idx, np.repeat(idx[-1:], size - count, axis=0)])
             local = idx[:, rows]
-            stacked = jax.tree.map(lambda a, shape=local.shape: a.reshape(shape + a.shape[1:]),
-                                   _take_rows(self._arrays, local.reshape(-1)))
+            if self._on_device:
+                stacked = _as_indices(local)
+            else:
+                stacked = jax.tree.map(lambda a, shape=local.shape: a.reshape(shape + a.shape[1:]),
+                                       _take_rows(self._arrays, local.reshape(-1)))
             mask = np.ones((size, gb), bool)
             mask[count - 1, real:] = False
             yield _HostGroup(stacked, mask, (gb,) * (count - 1) + (real,))
@@ -330,11 +407,17 @@ class DistributedDataset:
         # A mask of the whole global batch is replicated (Layout.mask_sharding says why); a
         # process that only knows its own rows' mask (FILE / OFF pipelines) shards it.
         mask_sharding = layout.replicated if len(host.mask) == gb else layout.batch
+        on_device = isinstance(host.local, _Indices)
         if host.num_real == gb:  # every row is real: the mask is the same every full batch
             if self._full_mask is None:
                 self._full_mask = self._put(mask_sharding, np.ones(len(host.mask), bool))
-            return Batch(self._put(layout.batch, host.local), self._full_mask), gb
-        data, mask = self._put((layout.batch, mask_sharding), (host.local, host.mask))
+            data = (self._gather(host.local.idx, False) if on_device
+                    else self._put(layout.batch, host.local))
+            return Batch(data, self._full_mask), gb
+        if on_device:
+            data, mask = self._gather(host.local.idx, False), self._put(mask_sharding, host.mask)
+        else:
+            data, mask = self._put((layout.batch, mask_sharding), (host.local, host.mask))
         return Batch(data, mask), host.num_real
 
     def _group_to_device(self, host: _HostGroup) -> Group:
@@ -343,6 +426,16 @@ class DistributedDataset:
         layout = self.strategy.layout
         on = stacked_sharding(layout.batch)
         mask_on = layout.replicated if host.mask.shape[1] == self.global_batch_size else on
+        if isinstance(host.local, _Indices):
+            data = self._gather(host.local.idx, False)
+            if host.mask.all():  # a group of full batches: the same mask every time
+                mask = self._full_masks.get(host.mask.shape)
+                if mask is None:
+                    mask = self._full_masks[host.mask.shape] = self._put(
+                        mask_on, host.mask, stacked=True)
+            else:
+                mask = self._put(mask_on, host.mask, stacked=True)
+            return Group(Batch(data, mask), host.num_real)
         data, mask = self._put((on, mask_on), (host.local, host.mask), stacked=True)
         return Group(Batch(data, mask), host.num_real)
 
@@ -350,18 +443,21 @@ class DistributedDataset:
         """Batches placed ahead of use: the stack in one transfer, split on the devices into one
         batch per step in one dispatch; ``[(Batch, num_real), ...]`` for the real batches."""
         layout, gb = self.strategy.layout, self.global_batch_size
-        leaves, treedef = jax.tree.flatten(host.local)
-        on = stacked_sharding(layout.batch)
-        split = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)
-        # Called inside a user's own jax.set_mesh (Explicit axes, say): run on the strategy's.
-        with layout.mesh_context():
-            if _fast_put(layout.batch):
-                parts = split(*leaves)  # numpy in: the compiled call's own transfer
-            else:
-                parts = split(*self._put(on, leaves, stacked=True))
+        if isinstance(host.local, _Indices):
+            parts, treedef = self._gather(host.local.idx, True), None
+        else:
+            leaves, treedef = jax.tree.flatten(host.local)
+            on = stacked_sharding(layout.batch)
+            split = _splitter(len(leaves), host.mask.shape[0], on, layout.batch)
+            # Called inside a user's own jax.set_mesh (Explicit axes, say): run on the strategy's.
+            with layout.mesh_context():
+                if _fast_put(layout.batch):
+                    parts = split(*leaves)  # numpy in: the compiled call's own transfer
+                else:
+                    parts = split(*self._put(on, leaves, stacked=True))
         out = []
         for k, num_real in enumerate(host.num_real):
-            data = jax.tree.unflatten(treedef, parts[k])
+            data = parts[k] if treedef is None else jax.tree.unflatten(treedef, parts[k])
             if num_real == gb:
                 if self._full_mask is None:
                     mask_at = layout.replicated if host.mask.shape[1] == gb else layout.batch
@@ -372,6 +468,40 @@ class DistributedDataset:
                                  host.mask[k])
             out.append((Batch(data, mask), num_real))
         return out
+
+    def _placed_arrays(self) -> PyTree:
+        """The in-memory arrays on the devices, a full copy on each (placed on first use, once)."""
+        with self._placing:
+            if self._device_arrays is None:
+                replicated = self.strategy.layout.replicated
+                if jax.process_count() == 1:
+                    placed = jax.device_put(self._arrays, replicated)
+                else:  # every process holds the whole arrays
+                    placed = jax.tree.map(
+                        lambda a: jax.make_array_from_process_local_data(replicated, a, a.shape),
+                        self._arrays)
+                self._device_arrays = placed
+            return self._device_arrays
+
+    def _gather(self, idx: np.ndarray, split: bool) -> Any:
+        """This process's rows ``idx`` of a batch ``(rows,)`` or a stack ``(size, rows)``, gathered on
+        the devices from the arrays placed there: a batch laid out as ``layout.batch``, a stack as
+        ``P(None, data)`` or (``split``) one batch per row of ``idx``. One dispatch; the host sends
+        only ``idx``."""
+        layout = self.strategy.layout
+        arrays = self._placed_arrays()
+        stacked = idx.ndim == 2
+        idx_on = stacked_sharding(layout.batch) if stacked else layout.batch
+        key = (idx.shape, split)
+        fn = self._gathers.get(key)
+        if fn is None:
+            fn = self._gathers[key] = _gatherer(idx.shape[0] if split else 0, layout.replicated,
+                                                idx_on, layout.batch if split or not stacked
+                                                else idx_on)
+        with layout.mesh_context():
+            if jax.process_count() > 1 or not _fast_put(idx_on):
+                idx = self._put(idx_on, idx, stacked=stacked)
+            return fn(arrays, idx)  # one device: numpy in, the compiled call's own transfer
 
     def _put(self, sharding, tree, *, stacked: bool = False):
         """Host rows of a global batch (or of a stack of them) -> global arrays: one batched
@@ -419,6 +549,27 @@ def _splitter(num_leaves: int, size: int, stacked: Any, each: Any) -> Callable:
         return [tuple(leaf[k] for leaf in leaves) for k in range(size)]
 
     return jax.jit(split, in_shardings=(stacked,) * num_leaves, out_shardings=each)
+
+
+def _gatherer(split: int, arrays_on: Any, idx_on: Any, out_on: Any) -> Callable:
+    """``arrays[idx]`` for every leaf, compiled: the arrays replicated and the indices laid out like
+    the batch, so that each device gathers its own rows from its own copy (no collective). With
+    ``split``, a stack ``(split, rows)`` of indices gives ``split`` batches (a list)."""
+    def take(arrays, idx):
+        # The host made idx from the arrays' own row count: every index is in range.
+        return jax.tree.map(lambda a: a.at[idx].get(mode="promise_in_bounds"), arrays)
+
+    if not split:
+        return jax.jit(take, in_shardings=(arrays_on, idx_on), out_shardings=out_on)
+
+    def take_each(arrays, idx):
+        return [take(arrays, idx[k]) for k in range(split)]
+
+    return jax.jit(take_each, in_shardings=(arrays_on, idx_on), out_shardings=out_on)
+
+
+def _as_indices(idx: np.ndarray) -> _Indices:
+    return _Indices(np.asarray(idx, np.int32))
 
 
 def _stack(group: list, size: int) -> _HostGroup:

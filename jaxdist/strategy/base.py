@@ -238,7 +238,7 @@ class MeshStrategy(Strategy):
     def distribute(self, data: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
                    drop_remainder: bool = False, prefetch: int | None = None,
                    auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
-                   sync_timeout_s: float = 300.0):
+                   sync_timeout_s: float = 300.0, on_device: bool | None = None):
         """Shards ``data`` into global batches laid out on the replicas.
 
         Create the dataset once and iterate it once per epoch: each new iteration is the next epoch,
@@ -263,6 +263,12 @@ class MeshStrategy(Strategy):
             count)`` such as ``jaxdist.FileSource``, else ``DATA``; ``OFF``); tf's meanings.
           sync_timeout_s: with ``FILE`` / ``OFF`` across processes, how long a step waits for the
             other processes to say whether their pipelines still have data.
+          on_device: in-memory arrays only. ``None`` (default): when they fit a budget (a quarter
+            of a device's memory, ``jaxdist.input.dataset.ON_DEVICE_FRACTION``; on CPU devices,
+            1 GiB for all local copies, ``ON_DEVICE_HOST_BYTES``), they are placed on the devices
+            once, a full copy on each local device, and every batch is gathered there from indices
+            the host sends: the same batches, order, padding and masks as from the host.
+            ``True``: always; ``False``: gather batches on the host and send them each epoch.
 
         Returns:
           A ``jaxdist.DistributedDataset``; iterating it yields ``jaxdist.Batch(data, mask)``.
@@ -282,7 +288,7 @@ class MeshStrategy(Strategy):
         return DistributedDataset(self, data, global_batch_size, shuffle=shuffle, seed=seed,
                                   drop_remainder=drop_remainder, prefetch=prefetch,
                                   auto_shard_policy=auto_shard_policy,
-                                  sync_timeout_s=sync_timeout_s)
+                                  sync_timeout_s=sync_timeout_s, on_device=on_device)
 
     def distribute_datasets_from_function(self, fn: Callable, /, *,
                                           global_batch_size: int | None = None, prefetch: int = 2,

@@ -74,6 +74,28 @@ for policy in ("file", "data"):
     result[policy] = {**epoch(ds), "files": sorted(reads), "policy": ds.auto_shard_policy.value}
 
 
+# --- in-memory arrays: gathered on the devices (the default) or on the host, the same batches ---------
+def rows_seen(ds, **where):
+    """Every batch's local rows, local mask, position and real count, as lists."""
+    seen = []
+    with ds.iterator(**where) as it:
+        for item in it:
+            b = item.batches if "group_size" in where else item
+            data = [local(v).tolist() for v in b.data]
+            seen.append([data, np.asarray(b.mask.addressable_data(0)).tolist(), it.position,
+                         list(it.last_num_real) if isinstance(it.last_num_real, tuple)
+                         else it.last_num_real])
+    return seen
+
+
+arrays = (np.arange(45, dtype=np.int32), np.linspace(0, 1, 90, dtype=np.float32).reshape(45, 2))
+result["in_memory"] = {}
+for where in ({}, {"epoch": 1, "position": 2}, {"group_size": 2, "epoch": 2}):
+    runs = [rows_seen(s.distribute(arrays, 8, shuffle=True, seed=4, on_device=on), **where)
+            for on in (False, True)]
+    result["in_memory"][json.dumps(where)] = runs
+
+
 # --- OFF: each process's iterable is its own -------------------------------------------------------
 def own_stream():
     ids = np.arange(10, dtype=np.int32) if me == 0 else np.arange(100, 103, dtype=np.int32)
