@@ -25,6 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from jaxdist.launch import _placement, _slots, _tierfiles, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
+    ENV_JOIN_ON_IMPORT,
+    ENV_LAST_FAILURE,
+    ENV_LAST_FAILURE_STEP,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_PS_TOKEN,
@@ -278,6 +281,15 @@ class _Launcher:
             env.update(_placement.gpu_host_env(env, self._options.hang_timeout_s,
                                                shared=local_rank is None))
         env[ENV_RESTART_COUNT] = str(attempt)
+        if local_rank is not None:  # a process of the SPMD job: `import jaxdist` joins it
+            env[ENV_JOIN_ON_IMPORT] = "1"
+        for name in (ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP):
+            env.pop(name, None)
+        if attempt and self._failures:  # what a resumed run's line says failed, and when
+            _, _, _, description, step = self._failures[-1]
+            env[ENV_LAST_FAILURE] = description
+            if step is not None:
+                env[ENV_LAST_FAILURE_STEP] = str(step)
         env.pop(ENV_STATE_DIR, None)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir

@@ -497,7 +497,9 @@ def _resume_line(run: _Run, start_epoch: int, start_position: int, epochs: int) 
                 f"left to train (epochs={epochs}); use a new backup directory, or "
                 "BackupAndRestore(delete_checkpoint=True), to train again")
     planned = info.steps_per_epoch
-    where = f"epoch {start_epoch + 1}, batch {start_position}" + (f" of {planned}" if planned else "")
+    where = (f"epoch {start_epoch + 1}, after batch {start_position}"
+             + (f" of {planned}" if planned else "") if start_position
+             else f"the start of epoch {start_epoch + 1}")
     line = f"jaxdist: resumed {cause}: from {source} step {resume.step} ({where}); {cost}"
     if start_position:
         line += (f"; epoch {start_epoch + 1}'s metrics cover its batches {start_position + 1}"

@@ -1,0 +1,137 @@
+"""A torchrun or Keras user's first day (issue 36): one job under `jaxdist launch`, a line for every
+recovery, Keras's habits (validation_data, a backup deleted after success), errors that point to
+the fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist import launch, models
+from tests.conftest import REPO, run_python
+
+ENV = {"PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+
+
+def _data(n=80):
+    x, y = jaxdist.datasets.synthetic(n, shape=(6,))
+    return x, y
+
+
+def _state(x):
+    return models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_readme_common_path_under_launch_is_one_job(tmp_path):
+    script = os.path.join(REPO, "tests", "_scripts", "readme_mirrored.py")
+    res = launch.run([script, str(tmp_path / "two")], num_processes=2, devices_per_process=2,
+                     timeout_s=300, grace_period_s=10, env=ENV, cwd=REPO)
+    assert res.returncode == 0, res.output[-3000:]
+    alone = run_python([script, str(tmp_path / "one")], timeout=240, devices=4)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    a, b, one = (np.load(tmp_path / n) for n in ("two0.npz", "two1.npz", "one0.npz"))
+    assert (int(a["process_index"]), int(b["process_index"])) == (0, 1)
+    assert int(a["process_count"]) == 2 and int(a["replicas"]) == 4
+    for k in one.files:
+        if k.startswith("["):  # the parameters: same global batch, same numbers as one process
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+            np.testing.assert_allclose(a[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class _StopAt(jaxdist.callbacks.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, info):
+        if info.step == self.step:
+            raise KeyboardInterrupt(f"killed at step {info.step}")
+
+
+def test_a_resume_prints_one_line_and_the_epoch_says_it_is_partial(tmp_path, caplog, monkeypatch):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    data = s.distribute((x, y), 10)  # 8 batches an epoch
+    backup = str(tmp_path / "b")
+    first = jaxdist.callbacks.BackupAndRestore(backup, every_n_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        jaxdist.fit(s.step(models.classifier_train_step), _state(x), data, epochs=2, verbose=0,
+                    callbacks=[first, _StopAt(11)])
+    first.manager.wait_until_finished()  # the crash came after step 9's (asynchronous) save began
+    # As the launcher tells a restarted process what failed and the newest step it reached.
+    monkeypatch.setenv("JAXDIST_LAST_FAILURE", "rank 1 killed by SIGKILL")
+    monkeypatch.setenv("JAXDIST_LAST_FAILURE_STEP", "11")
+    caplog.set_level(logging.WARNING, logger="jaxdist")
+    h = jaxdist.fit(s.step(models.classifier_train_step), _state(x), data, epochs=2, verbose=0,
+                    callbacks=[jaxdist.callbacks.BackupAndRestore(backup, every_n_steps=3)])
+    lines = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert ("resumed after rank 1 killed by SIGKILL: from backup step 9 (epoch 2, after batch 1 of 8); "
+            "2 step(s) computed again") in lines[0]
+    assert "epoch 2's metrics cover its batches 2-8 only" in lines[0]
+    assert h.epochs == [1] and h.partial == {1: (1, 7)}
+
+
+def test_the_progress_bar_of_a_resumed_epoch_starts_at_its_position():
+    from jaxdist.callbacks import ProgressBar, TrainInfo
+
+    bar = ProgressBar()
+    info = TrainInfo(epoch=1, epochs=2, steps_per_epoch=8, position=5, epoch_steps=5)
+    bar.on_epoch_begin(info)
+    try:
+        assert bar._bar.n == 5 and bar._bar.total == 8
+        info.epoch_steps, info.call_steps = 8, 3
+        bar.on_train_batch_end(info)
+        assert bar._bar.n == 8  # 100%, not 3/8
+    finally:
+        bar.close()
+
+
+def test_a_backup_is_deleted_after_success_and_a_kept_final_state_says_so(tmp_path, caplog):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(**kw):
+        return jaxdist.fit(s.step(models.classifier_train_step), _state(x),
+                           s.distribute((x, y), 10), epochs=1, verbose=0,
+                           callbacks=[jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"), **kw)])
+
+    first = run()
+    assert not (tmp_path / "b").exists()  # Keras's delete_checkpoint=True
+    again = run()  # a rerun trains again
+    assert again.history["loss"] == first.history["loss"]
+    run(delete_checkpoint=False)
+    caplog.set_level(logging.WARNING, logger="jaxdist")
+    final = run(delete_checkpoint=False)
+    assert "restored the final state (step 8) from backup: nothing left to train" in caplog.text
+    assert final.epochs == [] and int(final.state.step) == 8
+    with pytest.raises(KeyError, match="fit trained no epoch.*restored the final state"):
+        final.history["loss"]
+
+
+def test_fit_takes_keras_validation_data(digits):
+    (x, y), (xt, yt) = digits
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    step = s.step(models.classifier_train_step)
+    keras = jaxdist.fit(step, state, s.distribute((x[:200], y[:200]), 50), epochs=1, verbose=0,
+                        validation_data=(xt[:100], yt[:100]))
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    ours = jaxdist.fit(step, state, s.distribute((x[:200], y[:200]), 50), epochs=1, verbose=0,
+                       eval_step=models.classifier_eval_step,
+                       eval_data=s.distribute((xt[:100], yt[:100]), 50))
+    assert keras.history["val_loss"] == ours.history["val_loss"]
+    assert "val_accuracy" in keras.history
+
+    def own_step(state, batch):
+        return models.classifier_train_step(state, batch)
+
+    with pytest.raises(ValueError, match="validation_data=.*needs eval_step="):
+        jaxdist.fit(own_step, state, s.distribute((x[:200], y[:200]), 50), verbose=0,
+                    validation_data=(xt[:100], yt[:100]))
