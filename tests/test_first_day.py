@@ -135,3 +135,47 @@ def test_fit_takes_keras_validation_data(digits):
     with pytest.raises(ValueError, match="validation_data=.*needs eval_step="):
         jaxdist.fit(own_step, state, s.distribute((x[:200], y[:200]), 50), verbose=0,
                     validation_data=(xt[:100], yt[:100]))
+
+
+def test_unpacking_a_batch_as_x_y_says_what_it_is_and_the_line_to_write():
+    import optax
+
+    x, y = _data(40)
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    @s.step
+    def train_step(state, batch):
+        xb, yb = batch  # the commonest JAX habit: batch is ((x, y), mask)
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    with pytest.raises(Exception) as err:
+        jaxdist.fit(train_step, _state(x), s.distribute((x, y), 10), verbose=0)
+    said = "\n".join(getattr(err.value, "__notes__", []))
+    assert "unpacks as ((x, y), mask)" in said and "(xb, yb), mask = batch" in said
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_takes_torchruns_nproc_per_node_and_names_what_it_does_not():
+    import subprocess
+    import sys
+
+    code = "import os, jax; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"
+    for spelling in (["--nproc-per-node", "2"], ["--nproc_per_node=2"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch", *spelling,
+                               "--devices-per-process", "1", "--", "-c", code],
+                              capture_output=True, text=True, timeout=120, cwd=REPO,
+                              env={**os.environ, **ENV})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "rank 1 of 2" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch", "--standalone",
+                           "--nproc-per-node", "2", "train.py"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={**os.environ, **ENV})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "jaxdist launch: error: --standalone is torchrun's; leave it out: `jaxdist launch -n N "
+        "script.py` is a one-host job with its own coordinator")
