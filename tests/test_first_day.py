@@ -179,3 +179,58 @@ def test_the_launcher_takes_torchruns_nproc_per_node_and_names_what_it_does_not(
     assert proc.stderr.splitlines()[-1] == (
         "jaxdist launch: error: --standalone is torchrun's; leave it out: `jaxdist launch -n N "
         "script.py` is a one-host job with its own coordinator")
+
+
+def test_the_tier_line_is_said_once_on_its_own_line_and_again_only_when_a_bound_moves(tmp_path):
+    import io
+    import json
+
+    from jaxdist.launch import _tierfiles, group
+
+    shown = []
+    launcher = group._Launcher(["train.py"], group._Options(num_processes=2),
+                               lambda stream, data: shown.append(data), {"PATH": os.environ["PATH"]},
+                               None)
+    launcher._state_dir = str(tmp_path)
+    os.makedirs(tmp_path / "0")
+    info = {"bytes": 1e6, "copy_every": 1, "every": 4, "bound": 2, "bound_all": 9,
+            "cost_s": 0.001, "step_s": 0.01, "budget": 0.05}
+    # rank 0's progress bar is on the terminal: the last line shown ended with "\r"
+    launcher._pump("0", "stderr", io.BufferedReader(io.BytesIO(b"1/7\r4/7\r")))
+    assert launcher._open_line
+    for step, (bound, bound_all) in enumerate([(2, 9), (3, 9), (2, 12), (3, 9), (2, 8), (6, 9)]):
+        with open(_tierfiles.tier_path(str(tmp_path), 0), "w") as f:
+            json.dump({**info, "bound": bound, "bound_all": bound_all, "step": step}, f)
+        os.utime(_tierfiles.tier_path(str(tmp_path), 0), (step + 1, step + 1))
+        launcher.announce_tier()
+    said = [s for s in shown if b"in-memory tier" in s]
+    assert len(said) == 2, said  # first known, then when the bound tripled (2 -> 6)
+    assert said[0].startswith(b"\njaxdist launch: in-memory tier") and b"at most 2 step(s)" in said[0]
+    assert said[1].startswith(b"jaxdist launch: in-memory tier") and b"at most 6 step(s)" in said[1]
+
+
+def test_an_async_save_whose_peer_died_says_so_in_one_line(tmp_path, monkeypatch):
+    from orbax.checkpoint import handlers as ocp_handlers
+
+    from jaxdist.checkpoint import CheckpointError, CheckpointManager
+
+    state = {"w": np.arange(4.0, dtype=np.float32)}
+    mgr = CheckpointManager(tmp_path, max_to_keep=1, async_save=True)
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+
+    async def peer_gone(self, x, directory):  # what the survivors' save barrier raises
+        raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: CheckpointManager:save:2. "
+                           "The following tasks are unhealthy (stopped sending heartbeats):\n"
+                           "/job:jax_worker/replica:0/task:1")
+
+    monkeypatch.setattr(ocp_handlers.JsonCheckpointHandler, "_save_fn", peer_gone)
+    mgr.save(2, state)
+    with pytest.raises(CheckpointError) as err:
+        mgr.wait_until_finished()
+    text = str(err.value)
+    assert "\n" not in text and "a peer process died" in text and "DEADLINE_EXCEEDED" in text
+    assert "free space" not in text and err.value.__suppress_context__
+    assert "restorable ([1])" in text
+    monkeypatch.undo()
+    mgr.close()

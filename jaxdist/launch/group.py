@@ -176,6 +176,8 @@ class _Launcher:
         self._tails: dict[str, collections.deque] = {}
         self._failures: list[tuple] = []  # signatures of this job's failures, in order
         self._tier_seen: float | None = None
+        self._tier_said: dict | None = None  # the tier's bounds as last announced
+        self._open_line = False  # the last line shown ended with "\r" (a progress bar)
         # On a GPU host: each SPMD process's own GPUs (a ValueError, before anything starts,
         # when there are too few); a parameter-server job's processes share the GPUs.
         self._gpus = None if options.num_ps else _placement.plan_gpus(
@@ -186,7 +188,11 @@ class _Launcher:
             self.say(self._gpus.describe())
 
     def say(self, message: str) -> None:
-        self._emit("stderr", (_PREFIX + message + "\n").encode())
+        # On its own line: after a rank's progress bar (a line ended by "\r") the terminal's
+        # cursor is still on the bar, which the message would overwrite.
+        start = b"\n" if self._open_line else b""
+        self._open_line = False
+        self._emit("stderr", start + (_PREFIX + message + "\n").encode())
 
     def request_stop(self, signum: int) -> None:
         """Called from a signal handler: forward `signum`; a second signal kills at once."""
@@ -364,7 +370,8 @@ class _Launcher:
                  f"with {ENV_STATE_DIR}={target} in the environment")
 
     def announce_tier(self) -> None:
-        """Prints rank 0's in-memory tier cadence when it is first known or changes."""
+        """Prints rank 0's in-memory tier cadence once it is known, and again only when what a
+        failure can cost changes materially (``tier_changed``), not each time the cadence adapts."""
         if self._state_dir is None:
             return
         path = _tierfiles.tier_path(self._state_dir, 0)
@@ -375,7 +382,9 @@ class _Launcher:
             with open(path, "rb") as f:
                 info = json.loads(f.read())
             self._tier_seen = mtime
-            self.say(_tierfiles.describe_tier(info))
+            if tier_changed(self._tier_said, info):
+                self._tier_said = info
+                self.say(_tierfiles.describe_tier(info))
         except (OSError, ValueError):
             pass
 
@@ -594,12 +603,38 @@ class _Launcher:
                 for end in _LINE_END.finditer(pending):
                     line = pending[start:end.end()]
                     self._emit(stream, prefix + line)
+                    self._open_line = line.endswith(b"\r")
                     if stream == "stderr":
                         tail.append(line.decode(errors="replace").strip())
                     start = end.end()
                 pending = pending[start:]
         if pending:
             self._emit(stream, prefix + pending + b"\n")
+
+
+def tier_changed(said: Mapping | None, info: Mapping) -> bool:
+    """Whether the tier's bounds moved enough since the line last said them to say them again:
+    at least doubled or halved (the cadence adapts to step times every few steps; a bound that
+    goes 2 -> 3 -> 2 is the same promise).
+
+    >>> tier_changed(None, {"bound": 2, "bound_all": 9})
+    True
+    >>> tier_changed({"bound": 2, "bound_all": 9}, {"bound": 3, "bound_all": 12})
+    False
+    >>> tier_changed({"bound": 2, "bound_all": 9}, {"bound": 4, "bound_all": 9})
+    True
+    """
+    if said is None:
+        return True
+    for key in ("bound", "bound_all"):
+        old, new = said.get(key), info.get(key)
+        if not isinstance(old, (int, float)) or not isinstance(new, (int, float)):
+            if old != new:
+                return True
+            continue
+        if max(old, new) >= 2 * max(min(old, new), 1) and old != new:
+            return True
+    return False
 
 
 _LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")
