@@ -602,8 +602,8 @@ class _Launcher:
                 start = 0
                 for end in _LINE_END.finditer(pending):
                     line = pending[start:end.end()]
-                    self._emit(stream, prefix + line)
                     self._open_line = line.endswith(b"\r")
+                    self._emit(stream, prefix + line)
                     if stream == "stderr":
                         tail.append(line.decode(errors="replace").strip())
                     start = end.end()
