@@ -26,6 +26,7 @@ from jaxdist.input.local import InputSyncTimeoutError as InputSyncTimeoutError
 from jaxdist.input.local import ShardableSource as ShardableSource
 from jaxdist.launch import cluster as cluster
 from jaxdist.launch import heartbeat as _heartbeat
+from jaxdist.launch import runtime as _runtime
 from jaxdist.launch.cluster import ClusterSpec as ClusterSpec
 from jaxdist.launch.runtime import barrier as barrier
 from jaxdist.launch.runtime import initialize as initialize
@@ -65,3 +66,6 @@ __all__ = [
 _compat.install()
 # Under `jaxdist launch`, every training step reports progress to the launcher (hang detection).
 _heartbeat.install()
+# Under `jaxdist launch -n N`, every process joins the one job the launcher describes, so a
+# @jaxdist.mirrored script trains one job, not N copies (jaxdist.launch.runtime.join_if_launched).
+_runtime.join_if_launched()

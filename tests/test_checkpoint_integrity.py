@@ -138,7 +138,7 @@ def test_backup_and_restore_resumes_from_the_newest_intact_backup(tmp_path, capl
     def run(epochs):
         # Wide enough that the arrays go to a data file, not inline into Orbax's index.
         init = models.create_train_state(models.MLP(hidden=(512,)), x[:1], seed=0)
-        cb = jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"))
+        cb = jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"), delete_checkpoint=False)
         h = jaxdist.fit(s.step(models.classifier_train_step), init, s.distribute((x, y), 10),
                         epochs=epochs, callbacks=[cb], verbose=0)
         return h, cb

@@ -79,7 +79,7 @@ def test_sigterm_on_one_process_saves_on_all_and_resumes_exactly(tmp_path):
 
 
 def test_checkpoint_from_2x2_restores_on_1x8_and_on_1_device(tmp_path):
-    res, out = _launch(tmp_path, "ref", "--epochs", "1", "--every", "4")
+    res, out = _launch(tmp_path, "ref", "--epochs", "1", "--every", "4", "--keep-backup")
     assert res.returncode == 0, res.output[-3000:]
     mgr = CheckpointManager(tmp_path / "ref_backup")
     step = mgr.latest_step()

@@ -279,7 +279,10 @@ class BackupAndRestore(ModelCheckpoint):
     Args:
       directory: backup directory (shared by all processes).
       every_n_steps: backup period in steps (None: epoch ends only).
-      delete_on_success: remove the backups when training completes (as Keras does).
+      delete_checkpoint: remove the backups when ``fit`` completes (Keras's name and default), so
+        that running the same script again trains again; ``False`` keeps them (a rerun then
+        restores the final state and says there is nothing left to train).
+      delete_on_success: the older name of ``delete_checkpoint`` (it wins when given).
       preemption_exit_code: exit status after a preemption save.
       memory_tier: how often the in-memory tier copies (``jaxdist.callbacks.MemoryTier``:
         ``every``, ``budget``, ``enabled``); None: as the environment says
@@ -292,12 +295,12 @@ class BackupAndRestore(ModelCheckpoint):
     """
 
     def __init__(self, directory: str, *, every_n_steps: int | None = None,
-                 delete_on_success: bool = False, preemption_exit_code: int = 0,
-                 memory_tier: MemoryTier | None = None):
+                 delete_checkpoint: bool = True, delete_on_success: bool | None = None,
+                 preemption_exit_code: int = 0, memory_tier: MemoryTier | None = None):
         super().__init__(directory, every_n_steps=every_n_steps, max_to_keep=2)
         self.policy = AnyOf(*([EveryNSteps(every_n_steps)] if every_n_steps else []),
                             EveryNEpochs())
-        self._delete = delete_on_success
+        self._delete = delete_checkpoint if delete_on_success is None else delete_on_success
         self._exit_code = preemption_exit_code
         self._notice = _PreemptionNotice()
         self.restored_step: int | None = None
@@ -376,6 +379,8 @@ class BackupAndRestore(ModelCheckpoint):
         if self._delete and jax.process_index() == 0:
             import shutil
 
+            # Keras's default: the run is complete, so a rerun starts afresh rather than restore
+            # a final state and train nothing.
             shutil.rmtree(self.manager.directory, ignore_errors=True)
 
     def close(self) -> None:

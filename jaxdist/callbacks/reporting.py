@@ -11,12 +11,16 @@ from jaxdist.callbacks.core import Callback, TrainInfo
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per epoch showing the running metrics and examples per second (process 0 only)."""
+    """A tqdm bar per epoch showing the running metrics and examples per second (process 0 only).
+
+    A resumed epoch's bar starts at the batch training resumes from (``TrainInfo.position``).
+    """
 
     def __init__(self, *, leave: bool = True):
         self._leave = leave
         self._bar: Any = None
         self._t0 = 0.0
+        self._start = 0  # the epoch's batches done before this run (a resumed epoch's position)
 
     def on_epoch_begin(self, info: TrainInfo) -> None:
         if jax.process_index() != 0:
@@ -24,14 +28,16 @@ class ProgressBar(Callback):
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=info.steps_per_epoch, desc=f"epoch {info.epoch + 1}/{info.epochs}",
-                         unit="step", leave=self._leave, dynamic_ncols=True)
-        self._t0 = time.perf_counter()
+                         unit="step", leave=self._leave, dynamic_ncols=True,
+                         initial=info.position)
+        self._t0, self._start = time.perf_counter(), info.position
 
     def _postfix(self, info: TrainInfo) -> dict:
         out = {k: f"{v:.4f}" for k, v in info.logs.items()}
         elapsed = time.perf_counter() - self._t0
         if info.global_batch_size and elapsed > 0:
-            out["ex/s"] = f"{info.epoch_steps * info.global_batch_size / elapsed:,.0f}"
+            done = info.epoch_steps - self._start
+            out["ex/s"] = f"{done * info.global_batch_size / elapsed:,.0f}"
         return out
 
     def on_train_batch_end(self, info: TrainInfo) -> None:

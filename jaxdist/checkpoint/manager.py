@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -209,6 +210,31 @@ def _all_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
+# What JAX, gloo and the coordination service say when a process of the job is gone: a save's
+# barrier (or a collective inside it) then fails on the survivors.
+_PEER_GONE = re.compile(
+    r"Gloo|Connection (?:reset|closed) by peer|DEADLINE_EXCEEDED|UNAVAILABLE|Barrier timed out|"
+    r"unhealthy|stopped sending heartbeats|heartbeat|coordination service|"
+    r"task:\d+[^\n]{0,80}(?:died|disconnected|not found|shut ?down)", re.I)
+
+
+def _peer_failure(error: BaseException) -> str | None:
+    """The words that say a save failed because a peer process is gone (None: another cause).
+
+    >>> _peer_failure(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: save_7"))
+    'DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: save_7'
+    >>> _peer_failure(OSError(28, "No space left on device")) is None
+    True
+    """
+    seen = 0
+    while error is not None and seen < 8:  # the error and what it was raised from
+        text = str(error)
+        if _PEER_GONE.search(text):
+            return text.strip().splitlines()[0][:200]
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 class CheckpointManager:
     """Saves and restores train states with Orbax (async by default), verifying what it reads.
 
@@ -349,6 +375,14 @@ class CheckpointManager:
                        if self._pending is not None and f"step {self._pending}" not in what else "")
             self._mgr.reload()
             self._failed, self._pending = True, None
+            peer = _peer_failure(e)
+            if peer:  # not the disk: a save's cross-process barrier, whose peer is gone
+                logger.debug("%s failed", what, exc_info=e)
+                raise CheckpointError(
+                    f"{what}{pending} failed because a collective across processes failed: a "
+                    f"peer process died or stopped responding ({peer}); the steps on disk stay "
+                    f"restorable ({self.all_steps() or 'none'}), and a restarted job resumes "
+                    "from them or from memory") from None
             raise CheckpointError(
                 f"{what}{pending} failed: {type(e).__name__}: {str(e)[:500]}. Steps on disk, "
                 f"still restorable: {self.all_steps() or 'none'}. Check free space and "

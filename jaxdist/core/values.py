@@ -126,11 +126,10 @@ class PerReplica:
 
 
 _BATCH_HINT = (
-    "jaxdist: this step was given a jaxdist.Batch, a NamedTuple (data, mask): `data` is what the "
-    "dataset yields (e.g. the tuple (x, y)) and `mask` a bool [batch] array, False on padding rows "
-    "of a partial last batch. So `xb, yb = batch` binds xb to the whole data and yb to the mask. "
-    "Write `(xb, yb), mask = batch` or `xb, yb = batch.data`, and pass batch.mask to "
-    "jaxdist.compute_average_loss.")
+    "jaxdist: the step was given a jaxdist.Batch, which unpacks as ((x, y), mask): the data the "
+    "dataset yields and a bool [batch] mask, False on the padding rows of a partial last batch. "
+    "So `xb, yb = batch` binds xb to (x, y) and yb to the mask. Write `(xb, yb), mask = batch` "
+    "(or `xb, yb = batch.data`) and pass mask to jaxdist.compute_average_loss(per_example, mask).")
 
 
 @contextlib.contextmanager

@@ -26,6 +26,13 @@ ENV_COORDINATOR = "JAXDIST_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
+# What made the launcher restart the job, and the newest step a process of it reported: a resumed
+# run's line says what failed and how many steps it computes again.
+ENV_LAST_FAILURE = "JAXDIST_LAST_FAILURE"
+ENV_LAST_FAILURE_STEP = "JAXDIST_LAST_FAILURE_STEP"
+# Set by `jaxdist launch` for each process of an SPMD job: `import jaxdist` joins the job (and
+# removes the variable, so that processes the script starts do not try to join too).
+ENV_JOIN_ON_IMPORT = "JAXDIST_JOIN_ON_IMPORT"
 # The shared secret of a parameter-server job (`jaxdist launch --ps` makes one).
 ENV_PS_TOKEN = "JAXDIST_PS_TOKEN"
 

@@ -27,6 +27,9 @@ from jaxdist.launch import _owned, _placement, _slots, _tierfiles, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
     ENV_COORDINATOR,
+    ENV_JOIN_ON_IMPORT,
+    ENV_LAST_FAILURE,
+    ENV_LAST_FAILURE_STEP,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_PS_TOKEN,
@@ -181,6 +184,8 @@ class _Launcher:
         self._tails: dict[str, collections.deque] = {}
         self._failures: list[tuple] = []  # signatures of this job's failures, in order
         self._tier_seen: float | None = None
+        self._tier_said: dict | None = None  # the tier's bounds as last announced
+        self._open_line = False  # the last line shown ended with "\r" (a progress bar)
         # On a GPU host: each SPMD process's own GPUs (a ValueError, before anything starts,
         # when there are too few); a parameter-server job's processes share the GPUs.
         self._gpus = None if options.num_ps else _placement.plan_gpus(
@@ -200,7 +205,11 @@ class _Launcher:
                              "a directory (a kept state, say) or unset it")
 
     def say(self, message: str) -> None:
-        self._emit("stderr", (_PREFIX + message + "\n").encode())
+        # On its own line: after a rank's progress bar (a line ended by "\r") the terminal's
+        # cursor is still on the bar, which the message would overwrite.
+        start = b"\n" if self._open_line else b""
+        self._open_line = False
+        self._emit("stderr", start + (_PREFIX + message + "\n").encode())
 
     def request_stop(self, signum: int) -> None:
         """Called from a signal handler: forward `signum`; a second signal kills at once."""
@@ -300,6 +309,15 @@ class _Launcher:
             env.update(_placement.gpu_host_env(env, self._options.hang_timeout_s,
                                                shared=local_rank is None))
         env[ENV_RESTART_COUNT] = str(attempt)
+        if local_rank is not None:  # a process of the SPMD job: `import jaxdist` joins it
+            env[ENV_JOIN_ON_IMPORT] = "1"
+        for name in (ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP):
+            env.pop(name, None)
+        if attempt and self._failures:  # what a resumed run's line says failed, and when
+            _, _, _, description, step = self._failures[-1]
+            env[ENV_LAST_FAILURE] = description
+            if step is not None:
+                env[ENV_LAST_FAILURE_STEP] = str(step)
         env.pop(ENV_STATE_DIR, None)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
@@ -374,7 +392,8 @@ class _Launcher:
                  f"with {ENV_STATE_DIR}={target} in the environment")
 
     def announce_tier(self) -> None:
-        """Prints rank 0's in-memory tier cadence when it is first known or changes."""
+        """Prints rank 0's in-memory tier cadence once it is known, and again only when what a
+        failure can cost changes materially (``tier_changed``), not each time the cadence adapts."""
         if self._state_dir is None:
             return
         path = _tierfiles.tier_path(self._state_dir, 0)
@@ -385,7 +404,9 @@ class _Launcher:
             with open(path, "rb") as f:
                 info = json.loads(f.read())
             self._tier_seen = mtime
-            self.say(_tierfiles.describe_tier(info))
+            if tier_changed(self._tier_said, info):
+                self._tier_said = info
+                self.say(_tierfiles.describe_tier(info))
         except (OSError, ValueError):
             pass
 
@@ -610,6 +631,7 @@ class _Launcher:
                 start = 0
                 for end in _LINE_END.finditer(pending):
                     line = pending[start:end.end()]
+                    self._open_line = line.endswith(b"\r")
                     self._emit(stream, prefix + line)
                     if stream == "stderr":
                         tail.append(line.decode(errors="replace").strip())
@@ -617,6 +639,31 @@ class _Launcher:
                 pending = pending[start:]
         if pending:
             self._emit(stream, prefix + pending + b"\n")
+
+
+def tier_changed(said: Mapping | None, info: Mapping) -> bool:
+    """Whether the tier's bounds moved enough since the line last said them to say them again:
+    at least doubled or halved (the cadence adapts to step times every few steps; a bound that
+    goes 2 -> 3 -> 2 is the same promise).
+
+    >>> tier_changed(None, {"bound": 2, "bound_all": 9})
+    True
+    >>> tier_changed({"bound": 2, "bound_all": 9}, {"bound": 3, "bound_all": 12})
+    False
+    >>> tier_changed({"bound": 2, "bound_all": 9}, {"bound": 4, "bound_all": 9})
+    True
+    """
+    if said is None:
+        return True
+    for key in ("bound", "bound_all"):
+        old, new = said.get(key), info.get(key)
+        if not isinstance(old, (int, float)) or not isinstance(new, (int, float)):
+            if old != new:
+                return True
+            continue
+        if max(old, new) >= 2 * max(min(old, new), 1) and old != new:
+            return True
+    return False
 
 
 _LINE_END = re.compile(rb"\r\n|\r(?!$)|\n")

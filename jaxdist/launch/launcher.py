@@ -159,10 +159,42 @@ def _check_endpoint(text: str) -> str:
     return text
 
 
+# torchrun's spellings of the options that mean the same here (its underscores too).
+_TORCHRUN_ALIASES = {"--num-processes": ("--nproc-per-node", "--nproc_per_node"),
+                     "--max-restarts": ("--max_restarts",),
+                     "--rdzv-endpoint": ("--rdzv_endpoint",), "--rdzv-id": ("--rdzv_id",),
+                     "--rdzv-timeout": ("--rdzv_timeout",)}
+# torchrun's options that have no equivalent of the same meaning: what to write instead.
+_TORCHRUN_INSTEAD = {
+    "--standalone": "leave it out: `jaxdist launch -n N script.py` is a one-host job with its own "
+                    "coordinator",
+    "--node-rank": "leave it out: an elastic job (--nnodes MIN:MAX --rdzv-endpoint HOST:PORT) "
+                   "numbers its hosts itself",
+    "--master-addr": "on one host leave it out (--port picks the port); across hosts use "
+                     "--nnodes MIN:MAX --rdzv-endpoint HOST:PORT",
+    "--rdzv-backend": "leave it out: the rendezvous store is jaxdist's own (--rdzv-endpoint)",
+}
+_TORCHRUN_INSTEAD.update({"--node_rank": _TORCHRUN_INSTEAD["--node-rank"],
+                          "--master_addr": _TORCHRUN_INSTEAD["--master-addr"],
+                          "--master-port": _TORCHRUN_INSTEAD["--master-addr"],
+                          "--master_port": _TORCHRUN_INSTEAD["--master-addr"],
+                          "--rdzv_backend": _TORCHRUN_INSTEAD["--rdzv-backend"]})
+
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
                   "--timeout", "--grace-period", "--ps", "--workers", "--hang-timeout",
                   "--init-timeout", "--nnodes", "--rdzv-endpoint", "--rdzv-id",
-                  "--rdzv-timeout", "--rdzv-last-call"}
+                  "--rdzv-timeout", "--rdzv-last-call",
+                  *(a for names in _TORCHRUN_ALIASES.values() for a in names),
+                  *(o for o in _TORCHRUN_INSTEAD if o != "--standalone")}
+
+
+def _torchrun_mistake(options_argv: Sequence[str]) -> str | None:
+    """One line for a torchrun option that means something else here (None: none given)."""
+    for arg in options_argv:
+        name = arg.split("=", 1)[0]
+        if name in _TORCHRUN_INSTEAD:
+            return f"{name} is torchrun's; {_TORCHRUN_INSTEAD[name]}"
+    return None
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -209,8 +241,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Run N local processes of one multi-process JAX job, or a "
                     "parameter-server job of 1 chief, W workers and P servers.",
         formatter_class=_output.DefaultsHelpFormatter)
-    parser.add_argument("-n", "--num-processes", type=_count("--num-processes"),
-                        help="number of processes")
+    parser.add_argument("-n", "--num-processes", *_TORCHRUN_ALIASES["--num-processes"],
+                        type=_count("--num-processes"),
+                        help="number of processes (on this host, with --nnodes); torchrun's "
+                             "--nproc-per-node N is the same")
     parser.add_argument("--ps", type=_count("--ps"), metavar="P",
                         help="parameter-server job: P servers (with --workers)")
     parser.add_argument("--workers", type=_count("--workers"), metavar="W",
@@ -220,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="on a host with GPUs: K GPUs per process (default: the host's "
                              "GPUs split evenly over -n); elsewhere (or with JAX_PLATFORMS=cpu): "
                              "K simulated CPU devices per process")
-    parser.add_argument("--max-restarts", type=_count("--max-restarts"), default=0, metavar="R",
+    parser.add_argument("--max-restarts", *_TORCHRUN_ALIASES["--max-restarts"],
+                        type=_count("--max-restarts"), default=0, metavar="R",
                         help="restart the whole group up to R times after a failure "
                              "(--ps jobs: each failed worker / server, R times each)")
     parser.add_argument("--port", type=_count("--port"),
@@ -242,12 +277,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nnodes", metavar="MIN:MAX",
                         help="elastic job: run this host's agent; the job runs on MIN to MAX "
                              "hosts (with --rdzv-endpoint)")
-    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+    parser.add_argument("--rdzv-endpoint", *_TORCHRUN_ALIASES["--rdzv-endpoint"], metavar="HOST:PORT",
                         help="the rendezvous store (the agent that can bind it serves it)")
-    parser.add_argument("--rdzv-id", default="jaxdist", metavar="JOB",
+    parser.add_argument("--rdzv-id", *_TORCHRUN_ALIASES["--rdzv-id"], default="jaxdist",
+                        metavar="JOB",
                         help="the job's name in the rendezvous store")
-    parser.add_argument("--rdzv-timeout", type=_seconds(at_least=1, example=120), default=120.0,
-                        metavar="SECONDS",
+    parser.add_argument("--rdzv-timeout", *_TORCHRUN_ALIASES["--rdzv-timeout"],
+                        type=_seconds(at_least=1, example=120), default=120.0, metavar="SECONDS",
                         help="how long an agent waits for MIN agents to register")
     parser.add_argument("--rdzv-last-call", type=_seconds(at_least=0, example=10), default=10.0,
                         metavar="SECONDS",
@@ -261,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     options_argv, target = _split_argv(argv)
+    mistake = _torchrun_mistake(options_argv)
+    if mistake:
+        parser.error(mistake)
     args = parser.parse_args(options_argv)
     if not target or target == ["-m"]:
         parser.error("expected a script (script.py [args]) or a module (-m module [args])")

@@ -18,8 +18,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxdist.launch._placement import slurm_local_device_ids
+from jaxdist.launch.cluster import (
+    ENV_JOIN_ON_IMPORT,
+    ENV_NUM_PROCESSES,
+    ClusterSpec,
+    _fail,
+    cluster_from_environment,
+    split_address,
+)
 from jaxdist.launch.cluster import BarrierTimeoutError as BarrierTimeoutError
-from jaxdist.launch.cluster import ClusterSpec, _fail, cluster_from_environment, split_address
 from jaxdist.launch.cluster import CoordinatorTimeoutError as CoordinatorTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -90,6 +97,56 @@ def initialize(cluster: ClusterSpec | None = None, *,
             _join(spec, timeout_s)
         _current = spec
         return spec
+
+
+def join_if_launched() -> ClusterSpec | None:
+    """Joins the job ``jaxdist launch`` started this process in; ``import jaxdist`` calls it.
+
+    The launcher gives each process of an SPMD job everything ``initialize`` needs, and a
+    ``@jaxdist.mirrored`` script must train one job, not one per process; JAX's runtime can only be
+    joined before its backend starts, which the script's first array does, so the join happens
+    here rather than when a strategy is first used. The launcher's marker is removed so that
+    processes the script starts (data workers, a side-car evaluator) do not try to join too.
+    ``JAXDIST_JOIN_ON_IMPORT=0`` in the launcher's environment leaves the join to the script
+    (``jaxdist.initialize()`` or ``jax.distributed.initialize(...)``). Nothing happens for a
+    process that already joined, or whose backend has started (a strategy then says what to do).
+
+    Returns:
+      The spec joined, or None when nothing was joined here.
+    """
+    if os.environ.pop(ENV_JOIN_ON_IMPORT, "") != "1" or _current is not None:
+        return None
+    try:
+        spec = cluster_from_environment()
+    except ValueError:
+        return None  # jaxdist.initialize() (or a strategy) says what is wrong, in the script
+    if spec is None or spec.num_processes <= 1 or not spec.is_jax_process:
+        return None
+    from jax._src import xla_bridge  # whether the backend started: no public predicate
+
+    if _distributed_state().client is not None or xla_bridge.backends_are_initialized():
+        return None
+    return initialize(spec)
+
+
+def check_joined(what: str) -> None:
+    """Raises when this process was launched as one of several but runs alone (two silent jobs).
+
+    Args:
+      what: the strategy asking, for the message.
+    """
+    launched = os.environ.get(ENV_NUM_PROCESSES, "1")
+    if not launched.isdigit() or int(launched) <= 1 or os.environ.get("TF_CONFIG"):
+        return
+    import jax
+
+    if jax.process_count() > 1:
+        return
+    raise RuntimeError(
+        f"{what}: this process is one of {launched} ({ENV_NUM_PROCESSES}) but has not joined "
+        "their job, so each would train its own copy. Fix: `import jaxdist` (or call "
+        "jaxdist.initialize()) before any other JAX call, so that the process joins the job "
+        "before JAX's backend starts.")
 
 
 def _job(spec: ClusterSpec) -> str:

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from jaxdist.core import collectives, zero
 from jaxdist.core import mesh as mesh_lib
+from jaxdist.launch import runtime
 from jaxdist.strategy.base import MeshStrategy, UserMeshStrategy, resolve_devices
 
 ALIASES = {"auto": "xla", "nccl": "xla"}
@@ -81,8 +82,14 @@ class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
     all-reduce; ``cross_device_ops``, ``pack_bytes`` and ``compress`` choose how
     ``jaxdist.all_reduce`` reduces in the per-replica view (``strategy.run``).
 
+    In a multi-process job (``jaxdist launch -n N``, which joins it when ``jaxdist`` is imported,
+    or after ``jaxdist.initialize()``) the default ``devices=None`` means every device of every
+    process, as ``MultiWorkerMirroredStrategy``: the processes train one job, not one each. A
+    process launched as one of several that has not joined raises, naming the fix.
+
     Args:
-      devices: the devices to use, exactly as given (default: all of this process's devices).
+      devices: the devices to use, exactly as given (default: all of this process's devices, or
+        every process's in a multi-process job).
       cross_device_ops: ``"xla"`` (psum: NCCL on GPU, ICI on TPU), ``"ring"``, ``"hierarchical"``
         or ``"one_device"``.
       pack_bytes: pack leaves smaller than this many bytes into shared buckets before reducing.
@@ -125,6 +132,12 @@ class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
         check_cross_device_options(self)
 
     def _build_mesh(self) -> Mesh:
+        if self.devices is None:
+            runtime.check_joined("MirroredStrategy")
+            if jax.process_count() > 1:
+                # One job across the processes (`jaxdist launch -n N`, jaxdist.initialize()): every
+                # process's devices, laid out (host, local), as MultiWorkerMirroredStrategy does.
+                return mesh_lib.host_local_mesh(jax.devices(), jax.process_count())
         devices = resolve_devices(self.devices, "MirroredStrategy")
         if self.cross_device_ops == "hierarchical":
             # Hierarchical reduction needs a (host, local) split; one process is a (1, n) mesh.

@@ -436,13 +436,17 @@ def train(args: argparse.Namespace) -> int:
 
     if args.strategy == "multi_worker":
         jaxdist.initialize()  # before any computation: joins the job `jaxdist launch` describes
-    elif int(os.environ.get("JAXDIST_NUM_PROCESSES", "1")) > 1:
-        print(f"jaxdist train: warning: --strategy {args.strategy} under a multi-process launch runs "
-              "one independent job per process; use --strategy multi_worker for one job across "
-              "them", file=sys.stderr)
+    # --strategy mirrored without --devices is one job over every process's devices (as the
+    # library's MirroredStrategy() is); a device list of its own keeps each process alone.
+    every_process = args.devices is None and args.strategy == "mirrored"
+    if args.strategy not in ("multi_worker", "tpu") and not every_process \
+            and jax.process_count() > 1:
+        print(f"jaxdist train: warning: --strategy {args.strategy} with --devices under a "
+              "multi-process launch runs one independent job per process; leave out --devices "
+              "(or use --strategy multi_worker) for one job across them", file=sys.stderr)
     (x, y), (xt, yt) = _load_data(args)
-    strategy = _strategy(args, None if args.strategy in ("multi_worker", "tpu") else
-                         _select_devices(args.devices))
+    strategy = _strategy(args, None if args.strategy in ("multi_worker", "tpu") or every_process
+                         else _select_devices(args.devices))
     n = strategy.num_replicas_in_sync
     num_classes = _num_classes(args, y, yt)  # labels first: a wrong file beats a batch size
     _check_batch_against_data(args, len(x), n)

@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import logging
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,17 +38,37 @@ from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
 from jaxdist.core._types import PyTree
 from jaxdist.core.step import DistributedStep, check_max_in_flight
 from jaxdist.input.dataset import DistributedDataset
+from jaxdist.launch.cluster import ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP
 
 logger = logging.getLogger(__name__)
 
 
+class _Metrics(dict):
+    """``History.history``: a metric that no epoch produced raises a KeyError that says why."""
+
+    nothing_trained = ""  # set when fit trained no epoch (a restored final state, say)
+
+    def __missing__(self, key):
+        if self.nothing_trained:
+            raise KeyError(f"history[{key!r}]: fit trained no epoch, so there are no metrics: "
+                           f"{self.nothing_trained}")
+        raise KeyError(key)
+
+
 @dataclasses.dataclass
 class History:
-    """What ``fit`` returns: per-epoch metrics (``history["loss"]`` …) and the trained ``state``."""
+    """What ``fit`` returns: per-epoch metrics (``history["loss"]`` …) and the trained ``state``.
+
+    ``partial`` maps each epoch whose metrics cover only part of it to ``(first, count)``: a
+    resumed epoch's metrics are over the ``count`` batches from batch ``first`` (0-based) that this
+    ``fit`` trained. When ``fit`` trains no epoch (a backup that already holds the final state),
+    ``history`` is empty and ``history["loss"]`` raises a KeyError saying so.
+    """
 
     history: dict[str, list[float]]
     state: PyTree
     epochs: list[int]
+    partial: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 class _Meter:
@@ -382,12 +403,189 @@ def _num_examples(dataset: Any) -> Any:
     return n if isinstance(n, int) else "its"
 
 
+@dataclasses.dataclass
+class _Run:
+    """One ``fit`` call's moving parts, shared by the helpers below."""
+
+    step: Callable
+    dataset: Any
+    info: TrainInfo
+    cbs: list
+    group: int
+    steps_per_epoch: int | None
+    max_in_flight: int
+    evaluation: tuple | None  # (eval_step, eval_dataset), or None
+    verbose: int
+    history: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    done_epochs: list = dataclasses.field(default_factory=list)
+    partial: dict = dataclasses.field(default_factory=dict)
+    warned: bool = False  # about NaN/Inf metrics, once per fit
+    resumed: Resume | None = None
+    resumed_by: Callback | None = None
+
+
+def _planned_steps(dataset: Any, steps_per_epoch: int | None) -> int | None:
+    """Steps per epoch: the dataset's length, capped by ``steps_per_epoch`` (None: unknown)."""
+    try:
+        planned = len(dataset)
+    except TypeError:
+        planned = None
+    if steps_per_epoch is not None:
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch}; expected >= 1 (or None: one "
+                             "pass over the data)")
+        planned = steps_per_epoch if planned is None else min(planned, steps_per_epoch)
+    if planned == 0:
+        raise ValueError(_EMPTY.format(n=_num_examples(dataset), gb=dataset.global_batch_size))
+    return planned
+
+
+def _known_eval_step(train_step: Callable) -> Callable | None:
+    """The evaluation step that goes with a built-in train step (Keras: the compiled model's)."""
+    from jaxdist.training import models
+
+    fn = getattr(train_step, "_fn", train_step)
+    fn = getattr(fn, "func", fn)  # functools.partial(classifier_train_step, accumulate=...)
+    return models.classifier_eval_step if fn is models.classifier_train_step else None
+
+
+def _evaluation(train_step: Callable, strategy, dataset: Any, eval_step: Callable | None,
+                eval_data: Any, validation_data: Any, validation_batch_size: int | None,
+                batch_size: int | None) -> tuple | None:
+    """``(eval_step, eval dataset)`` from jaxdist's ``eval_step``/``eval_data`` or Keras's
+    ``validation_data`` (distributed with the strategy), or None when there is nothing to evaluate."""
+    if validation_data is not None:
+        if eval_data is not None:
+            raise ValueError("fit got both eval_data= and validation_data= (Keras's name for the "
+                             "same thing); pass one of them")
+        eval_step = eval_step or _known_eval_step(train_step)
+        if eval_step is None:
+            raise ValueError("fit(validation_data=...) needs eval_step=: a function "
+                             "eval_step(state, batch) -> {'loss': ..., ...} (e.g. "
+                             "jaxdist.models.classifier_eval_step); jaxdist has no compiled model to "
+                             "take the evaluation from")
+        if isinstance(validation_data, list):
+            validation_data = tuple(validation_data)
+        eval_data = _as_dataset(validation_data, strategy,
+                                validation_batch_size or dataset.global_batch_size, False, 0,
+                                "validation_data")
+    if eval_step is None or eval_data is None:
+        return None
+    return (_as_step(eval_step, strategy, donate=False),
+            _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data"))
+
+
+def _resume(run: _Run) -> None:
+    """Asks the callbacks whether to resume (at most one may) and says where training resumes."""
+    info = run.info
+    for cb in run.cbs:
+        resume = cb.on_train_begin(info)
+        if not isinstance(resume, Resume):
+            continue
+        if run.resumed is not None:
+            raise ValueError(f"two callbacks resume training ({type(run.resumed_by).__name__} and "
+                             f"{type(cb).__name__}); keep one BackupAndRestore")
+        run.resumed, run.resumed_by = resume, cb
+        info.state, info.step = resume.state, resume.step
+        info.epoch, info.position = resume.epoch, resume.position
+
+
+def _resume_line(run: _Run, start_epoch: int, start_position: int, epochs: int) -> str:
+    """The one line a recovery prints: what failed, where training resumes from, what it costs."""
+    resume, info = run.resumed, run.info
+    source = "memory" if str(resume.source).startswith("memory") else "backup"
+    failed = os.environ.get(ENV_LAST_FAILURE)
+    failed_step = os.environ.get(ENV_LAST_FAILURE_STEP, "")
+    cause = f"after {failed}" if failed else "after an earlier run of this job stopped"
+    if failed_step.isdigit() and int(failed_step) >= resume.step:
+        again = int(failed_step) - resume.step
+        cost = f"{again} step(s) computed again (the failed run reached step {failed_step})"
+    else:
+        cost = f"the steps after {resume.step} are computed again"
+    if start_epoch >= epochs:
+        return (f"jaxdist: restored the final state (step {resume.step}) from {source}: nothing "
+                f"left to train (epochs={epochs}); use a new backup directory, or "
+                "BackupAndRestore(delete_checkpoint=True), to train again")
+    planned = info.steps_per_epoch
+    where = (f"epoch {start_epoch + 1}, after batch {start_position}"
+             + (f" of {planned}" if planned else "") if start_position
+             else f"the start of epoch {start_epoch + 1}")
+    line = f"jaxdist: resumed {cause}: from {source} step {resume.step} ({where}); {cost}"
+    if start_position:
+        line += (f"; epoch {start_epoch + 1}'s metrics cover its batches {start_position + 1}"
+                 f"-{planned or 'end'} only")
+    return line
+
+
+def _one_epoch(run: _Run, epoch: int, position: int) -> None:
+    """Trains, evaluates and reports one epoch that starts at batch ``position``."""
+    info, dataset, group = run.info, run.dataset, run.group
+    info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
+    for cb in run.cbs:
+        cb.on_epoch_begin(info)
+    meter = _Meter(run.max_in_flight)
+    options = {} if group == 1 else {"group_size": group}
+    if run.steps_per_epoch is not None and isinstance(dataset, DistributedDataset):
+        options["steps"] = max(1, run.steps_per_epoch - position)  # none made past the last
+    with dataset.iterator(epoch=epoch, position=position, **options) as it:
+        info.iterator = it
+        run.warned = _train_epoch(run.step, it, info, meter, run.cbs, group, run.steps_per_epoch,
+                                  run.max_in_flight, run.warned)
+    if info.epoch_steps == 0 and position == 0:  # a dataset without a length
+        raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
+    info.logs = meter.drain()
+    if run.evaluation is not None:
+        eval_step, eval_data = run.evaluation
+        val = evaluate(eval_step, info.state, eval_data, max_in_flight=run.max_in_flight,
+                       steps_per_execution=group)
+        info.logs.update({f"val_{k}": v for k, v in val.items()})
+    for cb in run.cbs:
+        cb.on_epoch_end(info)
+    run.warned = run.warned or _warn_nonfinite(info)
+    # After the callbacks (as Keras's History): values they add, a learning rate say, stay.
+    for k, v in info.logs.items():
+        run.history[k].append(v)
+    run.done_epochs.append(epoch)
+    if position:  # a resumed epoch: its metrics cover the batches trained in this run only
+        run.partial[epoch] = (position, info.epoch_steps - position)
+    if jax.process_index() == 0 and run.verbose:
+        part = (f" (batches {position + 1}-{info.epoch_steps} only: resumed at batch {position})"
+                if position else "")
+        logger.info("epoch %d%s: %s", epoch + 1, part,
+                    ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
+
+
+def _train(run: _Run, epochs: int) -> str:
+    """Every epoch from where training (re)starts; returns why nothing was trained, or ''."""
+    info = run.info
+    # Carry on from a resumed run's epoch and batch. A backup taken after an epoch's last step
+    # resumes at the next epoch, not with one step too many.
+    start_epoch, start_position = info.epoch, info.position
+    if info.steps_per_epoch is not None and start_position >= info.steps_per_epoch:
+        start_epoch, start_position = start_epoch + 1, 0
+    nothing = ""
+    if run.resumed is not None:
+        line = _resume_line(run, start_epoch, start_position, epochs)
+        if jax.process_index() == 0:
+            logger.warning("%s", line)
+        if start_epoch >= epochs:
+            nothing = line.removeprefix("jaxdist: ")
+    elif start_epoch >= epochs:
+        nothing = f"initial_epoch={start_epoch} is not below epochs={epochs}"
+    for epoch in range(start_epoch, epochs):
+        _one_epoch(run, epoch, start_position if epoch == start_epoch else 0)
+        if info.stop_training:
+            break
+    return nothing
+
+
 def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
         initial_epoch: int = 0, max_in_flight: int = 4,
-        steps_per_execution: int = 1) -> History:
+        steps_per_execution: int = 1, validation_data: Any = None,
+        validation_batch_size: int | None = None) -> History:
     """Trains ``state`` with ``train_step(state, batch) -> (state, metrics)`` for ``epochs``.
 
     Args:
@@ -398,6 +596,10 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       epochs: train until this epoch (exclusive of ``initial_epoch``'s predecessors).
       steps_per_epoch: cap on steps per epoch (default: one pass over the data).
       eval_step, eval_data: evaluated after each epoch; metrics are logged as ``val_<name>``.
+      validation_data: Keras's spelling: ``(x_val, y_val)`` (or a ``DistributedDataset``),
+        distributed with the step's strategy in batches of ``validation_batch_size`` (default:
+        the training batch size) and evaluated with ``eval_step``, which may be left out for
+        ``jaxdist.models.classifier_train_step`` (its ``classifier_eval_step`` is used).
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
       max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
@@ -414,12 +616,19 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         the same program).
 
     Returns:
-      ``History`` with ``history`` (per-epoch metrics), ``state`` (trained) and ``epochs``.
+      ``History`` with ``history`` (per-epoch metrics), ``state`` (trained), ``epochs`` and
+      ``partial`` (a resumed epoch's metrics cover the batches trained after the resume).
+
+    A callback that resumes (``BackupAndRestore``) makes process 0 log one line (a warning, so it
+    shows without any logging set up): what failed, the memory or backup step training resumes
+    from, how many steps are computed again and, for an epoch resumed midway, that its metrics
+    cover only the batches after the resume; the resumed epoch's progress bar starts there.
 
     Raises:
       ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
         batch, a step returning non-scalar metrics, or ``steps_per_execution`` not an int >= 1
-        (or > 1 with a step or data it cannot group: a parameter-server step, say).
+        (or > 1 with a step or data it cannot group: a parameter-server step, say);
+        ``validation_data`` with ``eval_data``, or without an ``eval_step`` to evaluate it.
 
     >>> import jax.numpy as jnp, numpy as np, jaxdist
     >>> s = jaxdist.MirroredStrategy()
@@ -445,83 +654,26 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
     if group > 1:
         _grouped_step(step, dataset, group, "fit")
-    if eval_step is not None and eval_data is not None:
-        eval_step = _as_step(eval_step, strategy, donate=False)
-        eval_data = _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data")
+    evaluation = _evaluation(train_step, strategy, dataset, eval_step, eval_data, validation_data,
+                             validation_batch_size, batch_size)
     # A step that trains elsewhere (ParameterServerStrategy's) brings callbacks that drive its
     # cluster: join at epoch end and hand back the trained state, as Keras's fit does.
     cbs = [*getattr(step, "callbacks", ()), *callbacks]
     if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
         cbs.append(ProgressBar())
-    try:
-        planned = len(dataset)
-    except TypeError:
-        planned = None
-    if steps_per_epoch is not None:
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch={steps_per_epoch}; expected >= 1 (or None: one "
-                             "pass over the data)")
-        planned = steps_per_epoch if planned is None else min(planned, steps_per_epoch)
-    if planned == 0:
-        raise ValueError(_EMPTY.format(n=_num_examples(dataset),
-                                       gb=dataset.global_batch_size))
-    info = TrainInfo(epoch=initial_epoch, state=state, steps_per_epoch=planned, epochs=epochs,
+    info = TrainInfo(epoch=initial_epoch, state=state,
+                     steps_per_epoch=_planned_steps(dataset, steps_per_epoch), epochs=epochs,
                      global_batch_size=dataset.global_batch_size, strategy=strategy,
                      steps_per_execution=group)
-    history: dict[str, list[float]] = collections.defaultdict(list)
-    done_epochs: list[int] = []
-    warned = False  # about NaN/Inf metrics, once per fit
+    run = _Run(step, dataset, info, cbs, group, steps_per_epoch, max_in_flight, evaluation, verbose)
     try:
-        resumed_by = None
-        for cb in cbs:
-            resume = cb.on_train_begin(info)
-            if isinstance(resume, Resume):
-                if resumed_by is not None:
-                    raise ValueError(f"two callbacks resume training ({type(resumed_by).__name__} and "
-                                     f"{type(cb).__name__}); keep one BackupAndRestore")
-                resumed_by = cb
-                info.state, info.step = resume.state, resume.step
-                info.epoch, info.position = resume.epoch, resume.position
-        # Carry on from a resumed run's epoch and batch. A backup taken after an epoch's last step
-        # resumes at the next epoch, not with one step too many.
-        start_epoch, start_position = info.epoch, info.position
-        if planned is not None and start_position >= planned:
-            start_epoch, start_position = start_epoch + 1, 0
-        for epoch in range(start_epoch, epochs):
-            position = start_position if epoch == start_epoch else 0
-            info.epoch, info.epoch_steps, info.position, info.logs = epoch, position, position, {}
-            for cb in cbs:
-                cb.on_epoch_begin(info)
-            meter = _Meter(max_in_flight)
-            options = {} if group == 1 else {"group_size": group}
-            if steps_per_epoch is not None and isinstance(dataset, DistributedDataset):
-                options["steps"] = max(1, steps_per_epoch - position)  # none made past the last
-            with dataset.iterator(epoch=epoch, position=position, **options) as it:
-                info.iterator = it
-                warned = _train_epoch(step, it, info, meter, cbs, group, steps_per_epoch,
-                                      max_in_flight, warned)
-            if info.epoch_steps == 0 and position == 0:  # a dataset without a length
-                raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
-            info.logs = meter.drain()
-            if eval_step is not None and eval_data is not None:
-                val = evaluate(eval_step, info.state, eval_data, max_in_flight=max_in_flight,
-                               steps_per_execution=group)
-                info.logs.update({f"val_{k}": v for k, v in val.items()})
-            for cb in cbs:
-                cb.on_epoch_end(info)
-            warned = warned or _warn_nonfinite(info)
-            # After the callbacks (as Keras's History): values they add, a learning rate say, stay.
-            for k, v in info.logs.items():
-                history[k].append(v)
-            done_epochs.append(epoch)
-            if jax.process_index() == 0 and verbose:
-                logger.info("epoch %d: %s", epoch + 1,
-                            ", ".join(f"{k}={v:.4f}" for k, v in info.logs.items()))
-            if info.stop_training:
-                break
+        _resume(run)
+        nothing = _train(run, epochs)
         for cb in cbs:
             cb.on_train_end(info)
     finally:
         for cb in cbs:  # also when a step or a callback raised: signal handlers, open files
             cb.close()
-    return History(dict(history), info.state, done_epochs)
+    metrics = _Metrics(run.history)
+    metrics.nothing_trained = nothing
+    return History(metrics, info.state, run.done_epochs, run.partial)

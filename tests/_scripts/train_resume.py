@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--spe", type=int, default=1, help="fit's steps_per_execution")
+    ap.add_argument("--keep-backup", action="store_true",
+                    help="BackupAndRestore(delete_checkpoint=False): keep the backup after success")
     args = ap.parse_args()
 
     if "JAXDIST_NUM_PROCESSES" in os.environ:
@@ -61,7 +63,8 @@ def main():
     (x, y), _ = jaxdist.datasets.digits()
     x, y = x[:700], y[:700]  # 700 / 96: 8 batches an epoch, the last one padded
     state = models.create_train_state(models.MLP(hidden=(32,)), x[:1], seed=1)
-    callbacks = [jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every)]
+    callbacks = [jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every,
+                                                    delete_checkpoint=not args.keep_backup)]
     if args.step_sleep:
         callbacks.insert(0, Sleep(args.step_sleep))
     if args.kill_at is not None:

@@ -1,0 +1,236 @@
+"""A torchrun or Keras user's first day (issue 36): one job under `jaxdist launch`, a line for every
+recovery, Keras's habits (validation_data, a backup deleted after success), errors that point to
+the fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist import launch, models
+from tests.conftest import REPO, run_python
+
+ENV = {"PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+
+
+def _data(n=80):
+    x, y = jaxdist.datasets.synthetic(n, shape=(6,))
+    return x, y
+
+
+def _state(x):
+    return models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_readme_common_path_under_launch_is_one_job(tmp_path):
+    script = os.path.join(REPO, "tests", "_scripts", "readme_mirrored.py")
+    res = launch.run([script, str(tmp_path / "two")], num_processes=2, devices_per_process=2,
+                     timeout_s=300, grace_period_s=10, env=ENV, cwd=REPO)
+    assert res.returncode == 0, res.output[-3000:]
+    alone = run_python([script, str(tmp_path / "one")], timeout=240, devices=4)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    a, b, one = (np.load(tmp_path / n) for n in ("two0.npz", "two1.npz", "one0.npz"))
+    assert (int(a["process_index"]), int(b["process_index"])) == (0, 1)
+    assert int(a["process_count"]) == 2 and int(a["replicas"]) == 4
+    for k in one.files:
+        if k.startswith("["):  # the parameters: same global batch, same numbers as one process
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+            np.testing.assert_allclose(a[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class _StopAt(jaxdist.callbacks.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, info):
+        if info.step == self.step:
+            raise KeyboardInterrupt(f"killed at step {info.step}")
+
+
+def test_a_resume_prints_one_line_and_the_epoch_says_it_is_partial(tmp_path, caplog, monkeypatch):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    data = s.distribute((x, y), 10)  # 8 batches an epoch
+    backup = str(tmp_path / "b")
+    first = jaxdist.callbacks.BackupAndRestore(backup, every_n_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        jaxdist.fit(s.step(models.classifier_train_step), _state(x), data, epochs=2, verbose=0,
+                    callbacks=[first, _StopAt(11)])
+    first.manager.wait_until_finished()  # the crash came after step 9's (asynchronous) save began
+    # As the launcher tells a restarted process what failed and the newest step it reached.
+    monkeypatch.setenv("JAXDIST_LAST_FAILURE", "rank 1 killed by SIGKILL")
+    monkeypatch.setenv("JAXDIST_LAST_FAILURE_STEP", "11")
+    caplog.set_level(logging.WARNING, logger="jaxdist")
+    h = jaxdist.fit(s.step(models.classifier_train_step), _state(x), data, epochs=2, verbose=0,
+                    callbacks=[jaxdist.callbacks.BackupAndRestore(backup, every_n_steps=3)])
+    lines = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert ("resumed after rank 1 killed by SIGKILL: from backup step 9 (epoch 2, after batch 1 of 8); "
+            "2 step(s) computed again") in lines[0]
+    assert "epoch 2's metrics cover its batches 2-8 only" in lines[0]
+    assert h.epochs == [1] and h.partial == {1: (1, 7)}
+
+
+def test_the_progress_bar_of_a_resumed_epoch_starts_at_its_position():
+    from jaxdist.callbacks import ProgressBar, TrainInfo
+
+    bar = ProgressBar()
+    info = TrainInfo(epoch=1, epochs=2, steps_per_epoch=8, position=5, epoch_steps=5)
+    bar.on_epoch_begin(info)
+    try:
+        assert bar._bar.n == 5 and bar._bar.total == 8
+        info.epoch_steps, info.call_steps = 8, 3
+        bar.on_train_batch_end(info)
+        assert bar._bar.n == 8  # 100%, not 3/8
+    finally:
+        bar.close()
+
+
+def test_a_backup_is_deleted_after_success_and_a_kept_final_state_says_so(tmp_path, caplog):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(**kw):
+        return jaxdist.fit(s.step(models.classifier_train_step), _state(x),
+                           s.distribute((x, y), 10), epochs=1, verbose=0,
+                           callbacks=[jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"), **kw)])
+
+    first = run()
+    assert not (tmp_path / "b").exists()  # Keras's delete_checkpoint=True
+    again = run()  # a rerun trains again
+    assert again.history["loss"] == first.history["loss"]
+    run(delete_checkpoint=False)
+    caplog.set_level(logging.WARNING, logger="jaxdist")
+    final = run(delete_checkpoint=False)
+    assert "restored the final state (step 8) from backup: nothing left to train" in caplog.text
+    assert final.epochs == [] and int(final.state.step) == 8
+    with pytest.raises(KeyError, match="fit trained no epoch.*restored the final state"):
+        final.history["loss"]
+
+
+def test_fit_takes_keras_validation_data(digits):
+    (x, y), (xt, yt) = digits
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    step = s.step(models.classifier_train_step)
+    keras = jaxdist.fit(step, state, s.distribute((x[:200], y[:200]), 50), epochs=1, verbose=0,
+                        validation_data=(xt[:100], yt[:100]))
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+    ours = jaxdist.fit(step, state, s.distribute((x[:200], y[:200]), 50), epochs=1, verbose=0,
+                       eval_step=models.classifier_eval_step,
+                       eval_data=s.distribute((xt[:100], yt[:100]), 50))
+    assert keras.history["val_loss"] == ours.history["val_loss"]
+    assert "val_accuracy" in keras.history
+
+    def own_step(state, batch):
+        return models.classifier_train_step(state, batch)
+
+    with pytest.raises(ValueError, match="validation_data=.*needs eval_step="):
+        jaxdist.fit(own_step, state, s.distribute((x[:200], y[:200]), 50), verbose=0,
+                    validation_data=(xt[:100], yt[:100]))
+
+
+def test_unpacking_a_batch_as_x_y_says_what_it_is_and_the_line_to_write():
+    import optax
+
+    x, y = _data(40)
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    @s.step
+    def train_step(state, batch):
+        xb, yb = batch  # the commonest JAX habit: batch is ((x, y), mask)
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    with pytest.raises(Exception) as err:
+        jaxdist.fit(train_step, _state(x), s.distribute((x, y), 10), verbose=0)
+    said = "\n".join(getattr(err.value, "__notes__", []))
+    assert "unpacks as ((x, y), mask)" in said and "(xb, yb), mask = batch" in said
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_takes_torchruns_nproc_per_node_and_names_what_it_does_not():
+    import subprocess
+    import sys
+
+    code = "import os, jax; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"
+    for spelling in (["--nproc-per-node", "2"], ["--nproc_per_node=2"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch", *spelling,
+                               "--devices-per-process", "1", "--", "-c", code],
+                              capture_output=True, text=True, timeout=120, cwd=REPO,
+                              env={**os.environ, **ENV})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "rank 1 of 2" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch", "--standalone",
+                           "--nproc-per-node", "2", "train.py"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={**os.environ, **ENV})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "jaxdist launch: error: --standalone is torchrun's; leave it out: `jaxdist launch -n N "
+        "script.py` is a one-host job with its own coordinator")
+
+
+def test_the_tier_line_is_said_once_on_its_own_line_and_again_only_when_a_bound_moves(tmp_path):
+    import io
+    import json
+
+    from jaxdist.launch import _tierfiles, group
+
+    shown = []
+    launcher = group._Launcher(["train.py"], group._Options(num_processes=2),
+                               lambda stream, data: shown.append(data), {"PATH": os.environ["PATH"]},
+                               None)
+    launcher._state_dir = str(tmp_path)
+    os.makedirs(tmp_path / "0")
+    info = {"bytes": 1e6, "copy_every": 1, "every": 4, "bound": 2, "bound_all": 9,
+            "cost_s": 0.001, "step_s": 0.01, "budget": 0.05}
+    # rank 0's progress bar is on the terminal: the last line shown ended with "\r"
+    launcher._pump("0", "stderr", io.BufferedReader(io.BytesIO(b"1/7\r4/7\r")))
+    assert launcher._open_line
+    for step, (bound, bound_all) in enumerate([(2, 9), (3, 9), (2, 12), (3, 9), (2, 8), (6, 9)]):
+        with open(_tierfiles.tier_path(str(tmp_path), 0), "w") as f:
+            json.dump({**info, "bound": bound, "bound_all": bound_all, "step": step}, f)
+        os.utime(_tierfiles.tier_path(str(tmp_path), 0), (step + 1, step + 1))
+        launcher.announce_tier()
+    said = [s for s in shown if b"in-memory tier" in s]
+    assert len(said) == 2, said  # first known, then when the bound tripled (2 -> 6)
+    assert said[0].startswith(b"\njaxdist launch: in-memory tier") and b"at most 2 step(s)" in said[0]
+    assert said[1].startswith(b"jaxdist launch: in-memory tier") and b"at most 6 step(s)" in said[1]
+
+
+def test_an_async_save_whose_peer_died_says_so_in_one_line(tmp_path, monkeypatch):
+    from orbax.checkpoint import handlers as ocp_handlers
+
+    from jaxdist.checkpoint import CheckpointError, CheckpointManager
+
+    state = {"w": np.arange(4.0, dtype=np.float32)}
+    mgr = CheckpointManager(tmp_path, max_to_keep=1, async_save=True)
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+
+    async def peer_gone(self, x, directory):  # what the survivors' save barrier raises
+        raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: CheckpointManager:save:2. "
+                           "The following tasks are unhealthy (stopped sending heartbeats):\n"
+                           "/job:jax_worker/replica:0/task:1")
+
+    monkeypatch.setattr(ocp_handlers.JsonCheckpointHandler, "_save_fn", peer_gone)
+    mgr.save(2, state)
+    with pytest.raises(CheckpointError) as err:
+        mgr.wait_until_finished()
+    text = str(err.value)
+    assert "\n" not in text and "a peer process died" in text and "DEADLINE_EXCEEDED" in text
+    assert "free space" not in text and err.value.__suppress_context__
+    assert "restorable ([1])" in text
+    monkeypatch.undo()
+    mgr.close()
