@@ -261,7 +261,7 @@ class BackupAndRestore(ModelCheckpoint):
         self.restored_from: str | None = None
         self.memory = StateTier()
 
-    def on_train_begin(self, info: TrainInfo) -> Resume | None:
+    def on_train_begin(self, info: TrainInfo) -> Resume | None:  # type: ignore[override]
         self._notice.install()
         self.saved = []
         resume = self._resume(info)

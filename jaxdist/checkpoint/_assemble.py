@@ -137,7 +137,7 @@ def best_step(summaries: list[dict], shapes: list[tuple]) -> tuple[int | None, s
     """The newest step whose blocks over all processes cover every leaf, and why newer ones
     were passed over (empty when none were)."""
     steps = sorted({int(s) for summ in summaries for s in summ}, reverse=True)
-    passed = []
+    passed: list[str] = []
     for step in steps:
         missing = []
         for i, shape in enumerate(shapes):

@@ -295,7 +295,7 @@ class DistributedDataset:
         batch, which are never used), ``steps`` batches at most; in-memory rows are gathered in
         one copy per group."""
         if self._arrays is None:
-            batches = self._host_batches(epoch, position, run, stop)
+            batches: Any = self._host_batches(epoch, position, run, stop)
             if steps is not None:
                 batches = _first(batches, steps)
             try:

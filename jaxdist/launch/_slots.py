@@ -42,7 +42,7 @@ class Piece(NamedTuple):
       checksum: of its bytes (:func:`checksum`).
     """
 
-    index: tuple[tuple[int, int], ...]
+    index: tuple[tuple[int, int], ...]  # type: ignore[assignment]  # (shadows tuple.index)
     offset: int
     nbytes: int
     checksum: str
@@ -159,7 +159,7 @@ def write(rank_dir: str, slot: int, *, step: int, data_state: dict | None, finge
             pieces = []
             for index, block in blocks:
                 block = np.ascontiguousarray(block)
-                view = memoryview(block.reshape(-1).view(np.uint8))
+                view = memoryview(block.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
                 done = 0
                 try:
                     while done < block.nbytes:

@@ -86,7 +86,7 @@ class Agent:
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
-        self._round, self._members = -1, []  # the last round: number, [[agent id, info], ...]
+        self._round, self._members = -1, []  # type: ignore[var-annotated]  # the last round: number, [[agent id, info], ...]
         self._server_id: str | None = None  # the agent serving the store
         self._stopped = threading.Event()
         self._leaving = False
@@ -192,7 +192,7 @@ class Agent:
         here = len(last & set(ready))
         enough = here * 2 > len(last) if moved else here * 2 >= len(last)
         if not enough:
-            quorum = {"here": here, "of": len(last), "moved": moved}
+            quorum: dict[str, Any] = {"here": here, "of": len(last), "moved": moved}
             if self._said_quorum != n:
                 self._said_quorum = n
                 self.store.set("quorum", {"round": n, **quorum})
@@ -221,7 +221,7 @@ class Agent:
         try:
             while True:
                 try:
-                    joined = self._join()
+                    joined: tuple | None = self._join()
                     if joined is not None:
                         outcome, code = self._run_round(*joined)
                 except RendezvousError as e:
@@ -336,7 +336,7 @@ class Agent:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-        procs, readers = [], []
+        procs, readers = [], []  # type: ignore[var-annotated]
         try:
             for i in range(self.nproc):
                 env = self.l.child_env(ClusterSpec(coordinator, world, first + i).to_env(), n,

@@ -196,7 +196,7 @@ class MeshStrategy(Strategy):
         user = getattr(self, "_user_mesh", None)
         if user is not None:  # the user's own mesh, run on its Auto twin (same devices, no copies)
             mesh = mesh_lib.with_auto_axes(user)
-            data_axes = self.data_axes  # checked and put in mesh order at construction
+            data_axes = self.data_axes  # type: ignore[attr-defined]  # (UserMeshStrategy's, checked and put in mesh order at construction)
         else:
             mesh = self._build_mesh()
             data_axes = self._data_axes(mesh)
@@ -490,7 +490,7 @@ class UserMeshStrategy(MeshStrategy):
     """
 
     _user_mesh: Mesh | None = dataclasses.field(default=None, init=False, repr=False)
-    mesh: Mesh | None = dataclasses.field(default=_MeshOption(), kw_only=True, compare=False,
+    mesh: Mesh | None = dataclasses.field(default=_MeshOption(), kw_only=True, compare=False,  # type: ignore[assignment]
                                           repr=False)
     data_axes: tuple[str, ...] | str | None = dataclasses.field(default=None, kw_only=True)
 

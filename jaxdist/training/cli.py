@@ -465,9 +465,9 @@ def train(args: argparse.Namespace) -> int:
                        steps_per_execution=args.steps_per_execution)
     elapsed = time.perf_counter() - t0
     if _show_epoch_lines(args):
-        for e, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
+        for epoch, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
                 "loss", "accuracy", "val_loss", "val_accuracy")))):
-            say(f"epoch {e + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
+            say(f"epoch {epoch + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
                 f"val_loss {vl:.4f}  val_accuracy {va:.4f}")
     trained = len(hist.epochs)
     say(f"trained {trained} epochs in {elapsed:.1f}s "

@@ -150,7 +150,7 @@ def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed
     return strategy.distribute(data, batch_size, shuffle=shuffle, seed=seed)
 
 
-def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Callable:
+def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Any:  # a DistributedStep, or ps.fit's
     if isinstance(step_fn, DistributedStep):
         return step_fn
     return strategy.step(step_fn, donate=donate)
@@ -328,7 +328,7 @@ def _warn_nonfinite(info: TrainInfo) -> bool:
     return True
 
 
-def _train_epoch(step: Callable, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
+def _train_epoch(step: Any, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
                  steps_per_epoch: int | None, max_in_flight: int, warned: bool) -> bool:
     """One epoch's calls (one step each, or ``group`` with ``steps_per_execution``): the state,
     the metrics read a few calls late, the callbacks once per call. Returns ``warned``."""
