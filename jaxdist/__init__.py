@@ -9,6 +9,7 @@ from jaxdist import _compat
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
 from jaxdist import ps as ps
+from jaxdist._version import __version__ as __version__
 from jaxdist.core import zero as zero
 from jaxdist.core.loss import compute_average_loss as compute_average_loss
 from jaxdist.core.replica import ReduceOp as ReduceOp
@@ -47,8 +48,6 @@ from jaxdist.training.fit import History as History
 from jaxdist.training.fit import evaluate as evaluate
 from jaxdist.training.fit import fit as fit
 from jaxdist.training.fit import predict as predict
-
-__version__ = "0.3.0"
 
 __all__ = [
     "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy",

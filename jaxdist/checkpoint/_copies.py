@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.values import split_static
 
 

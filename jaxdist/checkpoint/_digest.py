@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 
 _SALTS = (0x9E3779B9, 0x85EBCA77)
 

@@ -46,7 +46,7 @@ from jaxdist.checkpoint._integrity import (
     Pending,
     meta_checksum,
 )
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.values import has_per_replica, is_static_leaf, join_static, split_static
 
 if TYPE_CHECKING:

@@ -26,8 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.core._datacheck import warn_non_finite
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree, warn_non_finite
 from jaxdist.core.layout import check_batch_leaves
 from jaxdist.core.step import stacked_sharding
 from jaxdist.core.values import Batch

@@ -17,9 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxdist.core import PyTree, per_replica
 from jaxdist.core import mesh as mesh_lib
-from jaxdist.core import per_replica
-from jaxdist.core._types import PyTree
 from jaxdist.core.layout import Layout
 from jaxdist.core.replica import ReduceOp
 from jaxdist.core.step import DistributedStep
@@ -142,11 +141,12 @@ class Strategy(abc.ABC):
         ...     print(scoped is s, dict(jax.sharding.get_abstract_mesh().shape))
         True {'data': 2}
         """
-        return _scope(self, self.mesh)
+        return mesh_scope(self, self.mesh)
 
 
 @contextlib.contextmanager
-def _scope(strategy: Any, mesh: Mesh | None) -> Iterator[Any]:
+def mesh_scope(strategy: Any, mesh: Mesh | None) -> Iterator[Any]:
+    """``strategy.scope()``'s body: yields ``strategy`` with ``mesh`` set (nothing set for None)."""
     if mesh is None:
         yield strategy
         return

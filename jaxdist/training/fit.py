@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.step import DistributedStep, check_max_in_flight
 from jaxdist.input.dataset import DistributedDataset
 
