@@ -193,9 +193,9 @@ class DistributedDataset:
         return self._num_examples
 
     def __iter__(self) -> "DistributedIterator":
-        return self._next_epoch()
+        return self.next_epoch()
 
-    def _next_epoch(self, **options: Any) -> "DistributedIterator":
+    def next_epoch(self, **options: Any) -> "DistributedIterator":
         """What ``iter()`` returns (the next epoch), with ``iterator``'s other options."""
         it = self.iterator(epoch=self._epoch, **options)
         self._epoch += 1

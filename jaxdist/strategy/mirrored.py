@@ -137,7 +137,7 @@ class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
 
     def _build_mesh(self) -> Mesh:
         devices = resolve_devices(self.devices, "MirroredStrategy")
-        if self.cross_device_ops == "hierarchical":
+        if collectives.OPS.get(self._implementation, collectives.OPS["xla"]).host_local:
             # Hierarchical reduction needs a (host, local) split; one process is a (1, n) mesh.
             return mesh_lib.host_local_mesh(devices, num_hosts=1)
         return mesh_lib.local_mesh(devices)

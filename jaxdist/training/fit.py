@@ -199,7 +199,7 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
         _grouped_step(step, dataset, group, "evaluate")
     meter = _Meter(max_in_flight)
     # The next epoch, as iter(dataset): a shuffled dataset visits the order K=1 would.
-    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
     with run as it:
         for k, item in enumerate(it):
             if group == 1 and steps is not None and k >= steps:
@@ -288,7 +288,7 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
         host = jax.tree.map(_to_host, out)
         chunks.extend(jax.tree.map(lambda v, i=i: v[i][keep[i]], host) for i in range(count))
 
-    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
     with run as it:
         for k, item in enumerate(it):
             if group > 1:
