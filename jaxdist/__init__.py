@@ -5,6 +5,8 @@
 1
 """
 
+import importlib
+
 from jaxdist import _compat
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
@@ -60,7 +62,16 @@ __all__ = [
     "replica_id", "schedules", "zero",
 ]
 
-# Old module paths (jaxdist.models, jaxdist.step, ...) import as their new homes: jaxdist/_compat.py.
-_compat.install()
+# Old module paths (jaxdist.models, jaxdist.step, ...) are stub modules in jaxdist/_compat/paths/,
+# found through the package's search path; each imports as its new home (jaxdist/_compat/).
+__path__.append(_compat.PATHS)
+
+
+def __getattr__(name: str):
+    # jaxdist.memstate, jaxdist.evaluator, ... without importing them first
+    if f"jaxdist.{name}" in _compat.MOVED:
+        return importlib.import_module(f"jaxdist.{name}")
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+
 # Under `jaxdist launch`, every training step reports progress to the launcher (hang detection).
 _heartbeat.install()

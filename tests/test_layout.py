@@ -24,7 +24,7 @@ PKG = os.path.join(REPO, "jaxdist")
 ALLOWED = {
     "core": set(),
     "input": {"core"},
-    "launch": {"core", "_output", "_version"},
+    "launch": {"core", "_output", "_version", "_compat"},  # _compat: the launch.memstate stub
     "strategy": {"core", "input", "launch"},
     "checkpoint": {"core", "strategy", "launch"},
     "callbacks": {"core", "checkpoint", "launch"},
@@ -306,3 +306,33 @@ def test_each_package_states_its_public_face(package):
                and importlib.util.find_spec(f"jaxdist.{package}.{n}") is None]  # (a submodule)
     assert not missing, f"jaxdist.{package}.__all__ names what it does not have: {missing}"
     assert not [n for n in module.__all__ if n.startswith("_")]
+
+
+def test_moved_paths_are_plain_modules_not_an_import_hook():
+    # before: jaxdist/_compat.py put a finder on sys.meta_path
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("jaxdist")]
+    for old in _compat.MOVED:
+        spec = importlib.util.find_spec(old)
+        assert spec is not None and spec.origin.endswith(".py"), old  # a stub file
+
+
+def test_the_version_is_the_distributions_and_a_source_tree_reads_pyproject(monkeypatch):
+    import tomllib
+    from importlib import metadata
+
+    from jaxdist import _version
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["version"]
+    assert jaxdist.__version__ == metadata.version("jaxdist") == declared
+    assert _version._from_source() == declared
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    try:
+        assert importlib.reload(_version).__version__ == declared  # no metadata: pyproject.toml
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_version)
