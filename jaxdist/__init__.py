@@ -5,10 +5,13 @@
 1
 """
 
+import importlib
+
 from jaxdist import _compat
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
 from jaxdist import ps as ps
+from jaxdist._version import __version__ as __version__
 from jaxdist.core import zero as zero
 from jaxdist.core.loss import compute_average_loss as compute_average_loss
 from jaxdist.core.replica import ReduceOp as ReduceOp
@@ -49,8 +52,6 @@ from jaxdist.training.fit import evaluate as evaluate
 from jaxdist.training.fit import fit as fit
 from jaxdist.training.fit import predict as predict
 
-__version__ = "0.3.0"
-
 __all__ = [
     "AutoShardPolicy", "Batch", "CentralStorageStrategy", "ClusterSpec", "DefaultStrategy",
     "DistributedDataset", "FileSource", "History", "InputContext", "InputSyncTimeoutError",
@@ -62,8 +63,17 @@ __all__ = [
     "replica_id", "schedules", "zero",
 ]
 
-# Old module paths (jaxdist.models, jaxdist.step, ...) import as their new homes: jaxdist/_compat.py.
-_compat.install()
+# Old module paths (jaxdist.models, jaxdist.step, ...) are stub modules in jaxdist/_compat/paths/,
+# found through the package's search path; each imports as its new home (jaxdist/_compat/).
+__path__.append(_compat.PATHS)
+
+
+def __getattr__(name: str):
+    # jaxdist.memstate, jaxdist.evaluator, ... without importing them first
+    if f"jaxdist.{name}" in _compat.MOVED:
+        return importlib.import_module(f"jaxdist.{name}")
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+
 # Under `jaxdist launch`, every training step reports progress to the launcher (hang detection).
 _heartbeat.install()
 # Under `jaxdist launch -n N`, every process joins the one job the launcher describes, so a

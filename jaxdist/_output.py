@@ -33,7 +33,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 __all__ = ["ArgumentParser", "DefaultsHelpFormatter", "RawDescriptionDefaultsHelpFormatter",
            "duration", "integer", "keep_line", "module_factory", "parse_bytes", "parse_seconds",
@@ -95,7 +95,8 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     A parser that keeps its description's line breaks keeps them
     (:class:`RawDescriptionDefaultsHelpFormatter`).
     """
-    raw = issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter)
+    raw = isinstance(parser.formatter_class, type) and issubclass(parser.formatter_class,
+                                                                   argparse.RawDescriptionHelpFormatter)
     parser.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
     for action in parser._actions:
         if action.help is None and action.option_strings and not _unset(action.default):
@@ -115,7 +116,7 @@ _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "min":
 _NUMBER_UNIT = re.compile(r"^([-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(\S*)$")
 
 
-def _with_unit(text: str | float, units: dict[str, float], what: str, example: str) -> float:
+def _with_unit(text: str | float, units: Mapping[str, float], what: str, example: str) -> float:
     """A number followed by one of ``units`` (matched without regard to case) or by nothing."""
     match = _NUMBER_UNIT.match(str(text).strip())
     if match is None:

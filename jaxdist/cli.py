@@ -43,12 +43,12 @@ def bench(argv: list[str]) -> int:
     # Each benchmark builds a plain parser of its own; `jaxdist bench NAME --help` shows defaults as
     # every other subcommand's help does.
     parse = argparse.ArgumentParser.parse_known_args
-    argparse.ArgumentParser.parse_known_args = (
-        lambda self, *args, **kwargs: parse(_output.show_defaults(self), *args, **kwargs))
+    setattr(argparse.ArgumentParser, "parse_known_args",  # noqa: B010 (mypy: no method assignment)
+            lambda self, *args, **kwargs: parse(_output.show_defaults(self), *args, **kwargs))
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
-        argparse.ArgumentParser.parse_known_args = parse
+        setattr(argparse.ArgumentParser, "parse_known_args", parse)  # noqa: B010
     return 0
 
 

@@ -313,7 +313,7 @@ class BackupAndRestore(ModelCheckpoint):
         # The tier's snapshots belong to this job: the one that backs up here.
         self.memory.owner = directory if "://" in str(directory) else os.path.realpath(directory)
 
-    def on_train_begin(self, info: TrainInfo) -> Resume | None:
+    def on_train_begin(self, info: TrainInfo) -> Resume | None:  # type: ignore[override]
         self._notice.install()
         self.saved = []
         resume = self._resume(info)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

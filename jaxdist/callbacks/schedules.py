@@ -15,7 +15,7 @@ import jax
 from optax import tree_utils as otu
 
 from jaxdist.callbacks.core import Callback, TrainInfo
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.launch import _slots
+from jaxdist.launch import slot_files as _slots
 
 logger = logging.getLogger("jaxdist.checkpoint.memstate")
 
@@ -137,7 +137,7 @@ def best_step(summaries: list[dict], shapes: list[tuple]) -> tuple[int | None, s
     """The newest step whose blocks over all processes cover every leaf, and why newer ones
     were passed over (empty when none were)."""
     steps = sorted({int(s) for summ in summaries for s in summ}, reverse=True)
-    passed = []
+    passed: list[str] = []
     for step in steps:
         missing = []
         for i, shape in enumerate(shapes):
@@ -238,7 +238,7 @@ def _contributions(held_s: list, shapes: list, dtypes: list, reader: _Reader) ->
     """Each leaf as this process can fill it from its host (zeros where it holds nothing)."""
     out = []
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        full = np.zeros(shape, _slots._dtype(dtype))
+        full = np.zeros(shape, _slots.dtype_of(dtype))
         for rank_dir, slot, header in held_s:
             for piece in _slots.pieces(header, i):
                 block = reader.get(rank_dir, slot, header, i, piece)
@@ -271,7 +271,7 @@ def _assemble(contributions: list, targets: list, dtypes: list) -> list:
         rows = [jax.device_put((raw if k == 0 else zeros)[None], d) for k, d in enumerate(local)]
         stacked = jax.make_array_from_single_device_arrays((len(devices),) + raw.shape, spread,
                                                            rows)
-        target_dtype = np.dtype(_slots._dtype(dtype))
+        target_dtype = np.dtype(_slots.dtype_of(dtype))
 
         def merge(x, target_dtype=target_dtype):
             merged = jax.numpy.max(x, axis=0)

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.values import split_static
 
 
@@ -18,7 +18,7 @@ class _Blocks(NamedTuple):
 
     shape: tuple
     dtype: str
-    index: list
+    index: list  # type: ignore[assignment]  # (shadows tuple.index)
     data: list | None = None
 
 
@@ -45,7 +45,8 @@ def _pinned_copy(leaves: list[jax.Array]) -> list[jax.Array]:
     (a GPU's or TPU's copy engine moves them), or on XLA:CPU, whose device memory is host memory,
     a compiled copy (dispatched asynchronously; a ``device_put`` between memory kinds there
     copies at once, on the loop's thread)."""
-    if leaves and next(iter(leaves[0].sharding.device_set)).platform != "cpu":
+    device: Any = next(iter(leaves[0].sharding.device_set)) if leaves else None
+    if leaves and device.platform != "cpu":
         try:
             return jax.device_put(leaves, [x.sharding.with_memory_kind("pinned_host")
                                            for x in leaves])

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 
 _SALTS = (0x9E3779B9, 0x85EBCA77)
 
@@ -92,7 +92,8 @@ def _in_device_memory(x: jax.Array) -> jax.Array:
     ``CentralStorageStrategy`` keeps state): XLA computes on device memory only."""
     s = x.sharding
     kind = s.memory_kind
-    default = next(iter(s.device_set)).default_memory().kind
+    device = next(iter(s.device_set))  # (jax.Device: its stub lacks default_memory)
+    default = device.default_memory().kind  # type: ignore[attr-defined]
     return x if kind is None or kind == default else jax.device_put(x, s.with_memory_kind(default))
 
 

@@ -47,7 +47,7 @@ from jaxdist.checkpoint._integrity import (
     Pending,
     meta_checksum,
 )
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.values import has_per_replica, is_static_leaf, join_static, split_static
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ def _abstract(target: PyTree, strategy: "Strategy | None", full: PyTree = None) 
     """
     if strategy is not None:
         if full is None:
-            shardings = strategy.layout.state_shardings(target)
+            shardings = strategy.layout.state_shardings(target)  # type: ignore[attr-defined]
         else:  # target is full's array leaves: their places are decided on the whole state
             shardings = [sh for x, sh in zip(jax.tree.leaves(full),
-                                             jax.tree.leaves(strategy.layout.state_shardings(full)))
+                                             jax.tree.leaves(strategy.layout.state_shardings(full)))  # type: ignore[attr-defined]
                          if not is_static_leaf(x)]
     else:
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -528,7 +528,7 @@ class CheckpointManager:
                 f"files are damaged, restore another one ({hint})") from error
         if self.verify:
             self._verify(step, out, hint, target)
-        return out if statics is None else join_static(*statics, out)
+        return out if statics is None else join_static(*statics, out)  # type: ignore[call-arg]  # (treedef, statics)
 
     def _check_target(self, step: int, target: PyTree) -> None:
         """Raises ``CheckpointMismatchError`` when ``target`` differs from step's saved tree.

@@ -65,22 +65,23 @@ from jaxdist.checkpoint._overlap import _Overlap
 from jaxdist.checkpoint.tier_policy import ENV_BUDGET as ENV_BUDGET
 from jaxdist.checkpoint.tier_policy import ENV_EVERY as ENV_EVERY
 from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
-from jaxdist.launch import _slots
-from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
-from jaxdist.launch._tierfiles import _fmt, _read_token
-from jaxdist.launch._tierfiles import describe_tier as describe_tier
-from jaxdist.launch._tierfiles import flush_path as flush_path
-from jaxdist.launch._tierfiles import flushed as flushed
-from jaxdist.launch._tierfiles import outcome_path as outcome_path
-from jaxdist.launch._tierfiles import read_outcome as read_outcome
-from jaxdist.launch._tierfiles import read_tier as read_tier
-from jaxdist.launch._tierfiles import request_flush as request_flush
-from jaxdist.launch._tierfiles import stop_path as stop_path
-from jaxdist.launch._tierfiles import tier_path as tier_path
-from jaxdist.launch._tierfiles import watches_flush as watches_flush
-from jaxdist.launch._tierfiles import write_stop as write_stop
+from jaxdist.launch import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch import describe_tier as describe_tier
+from jaxdist.launch import flush_path as flush_path
+from jaxdist.launch import flushed as flushed
+from jaxdist.launch import format_bytes as _fmt
+from jaxdist.launch import outcome_path as outcome_path
+from jaxdist.launch import read_outcome as read_outcome
+from jaxdist.launch import read_tier as read_tier
+from jaxdist.launch import read_token as _read_token
+from jaxdist.launch import request_flush as request_flush
+from jaxdist.launch import slot_files as _slots
+from jaxdist.launch import stop_path as stop_path
+from jaxdist.launch import tier_path as tier_path
+from jaxdist.launch import watches_flush as watches_flush
+from jaxdist.launch import write_stop as write_stop
 from jaxdist.launch.heartbeat import ENV_STATE_DIR as ENV_STATE_DIR
 from jaxdist.launch.heartbeat import heartbeat_path as heartbeat_path
 from jaxdist.launch.heartbeat import read_heartbeat as read_heartbeat

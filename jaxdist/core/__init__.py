@@ -8,4 +8,14 @@ compiled steps of both views. Nothing here knows a strategy.
   and ZeRO's sharded state;
 * ``step``, ``per_replica``: the compiled step of the global view and the ``run`` of the
   per-replica view, each taking a layout.
+
+What other packages use from here without naming a module: the type aliases (``PyTree``, ...) and
+the input path's finite-value check.
 """
+
+from jaxdist.core._datacheck import warn_non_finite as warn_non_finite
+from jaxdist.core._types import Metrics as Metrics
+from jaxdist.core._types import PyTree as PyTree
+from jaxdist.core._types import StepFn as StepFn
+
+__all__ = ["Metrics", "PyTree", "StepFn", "warn_non_finite"]

@@ -20,6 +20,7 @@ and returns them in their own dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -33,7 +34,7 @@ from jax import lax
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("xla", "ring", "hierarchical", "one_device")
+# The ops' names (IMPLEMENTATIONS) and descriptors (OPS) are defined below the implementations.
 REDUCE_OPS = ("sum", "mean")
 COMPRESSIONS = ("bf16",)
 # MultiWorkerMirroredStrategy's default bucket. Across processes on CPU, XLA sends a (combined,
@@ -115,7 +116,7 @@ def reduce_tree(
     for (path, _), leaf in zip(paths_leaves, leaves):
         _check_leaf(path, leaf, op)
 
-    reduce_flat = functools.partial(_REDUCERS[implementation], axes=axes, n=n)
+    reduce_flat = functools.partial(OPS[implementation].reduce, axes=axes, n=n)
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in _buckets(leaves, pack_bytes, compress):
         wire, accum = _wire_dtype(leaves[bucket[0]].dtype, compress), _accum_dtype(leaves[bucket[0]].dtype)
@@ -226,12 +227,41 @@ def _one_device(x: jax.Array, *, axes: tuple[str, ...], n: int, accum: Any) -> j
     return total
 
 
-_REDUCERS: dict[str, Callable[..., jax.Array]] = {
-    "xla": _xla,
-    "ring": _ring,
-    "hierarchical": _hierarchical,
-    "one_device": _one_device,
-}
+@dataclasses.dataclass(frozen=True)
+class CrossDeviceOp:
+    """One cross-device all-reduce, in the one place a new op is added.
+
+    Attributes:
+      name: what ``cross_device_ops=`` (and ``reduce_tree``'s ``implementation=``) takes.
+      summary: what it does, in one line (``jaxdist plan`` and the docs show it).
+      reduce: the per-replica implementation, ``reduce(flat, *, axes, n, accum)`` inside a
+        ``shard_map`` over ``axes``.
+      cost_models: the alpha-beta algorithms of ``jaxdist.plan.cost`` that model it; the planner
+        prices the op as the fastest of them (``"xla"``: the runtime picks ring or tree).
+      host_local: the op needs a ``(host, local)`` mesh (the strategies build one for it).
+
+    >>> OPS["ring"].cost_models, OPS["hierarchical"].host_local
+    (('ring',), True)
+    """
+
+    name: str
+    summary: str
+    reduce: Callable[..., jax.Array] = dataclasses.field(repr=False)
+    cost_models: tuple[str, ...]
+    host_local: bool = False
+
+
+OPS: dict[str, CrossDeviceOp] = {op.name: op for op in (
+    CrossDeviceOp("xla", "lax.psum: XLA picks the algorithm (NCCL on GPU, ICI on TPU)", _xla,
+                  ("ring", "tree")),
+    CrossDeviceOp("ring", "a bandwidth-optimal ring of ppermutes (reduce-scatter, all-gather)", _ring,
+                  ("ring",)),
+    CrossDeviceOp("hierarchical", "reduce-scatter inside each host, all-reduce a shard across hosts, "
+                  "all-gather inside", _hierarchical, ("hierarchical",), host_local=True),
+    CrossDeviceOp("one_device", "to replica 0, reduced there, broadcast back (tf's "
+                  "ReductionToOneDevice)", _one_device, ("one_device",)),
+)}
+IMPLEMENTATIONS = tuple(OPS)  # ("xla", "ring", "hierarchical", "one_device")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +314,7 @@ def check_options(implementation: str, pack_bytes: int | None, compress: str | N
     Raises:
       ValueError: naming the bad value and what is allowed.
     """
-    _check_choice("implementation", implementation, IMPLEMENTATIONS)
+    _check_choice("implementation", implementation, tuple(OPS))  # (OPS may have grown since import)
     if compress is not None:
         _check_choice("compress", compress, COMPRESSIONS)
     if pack_bytes is not None and (

@@ -74,7 +74,7 @@ class RunCache:
         found = self._by_id.get(key)
         if found is None or found[0]() is not owner:
             try:
-                ref = weakref.ref(owner, lambda _, key=key: self._by_id.pop(key, None))
+                ref = weakref.ref(owner, lambda _, key=key: self._by_id.pop(key, None))  # type: ignore[misc]
             except TypeError:  # cannot be weakly referenced: compile, do not keep
                 return None
             found = self._by_id[key] = (ref, {})
@@ -342,7 +342,7 @@ def _prepare(layout: Layout, cache: RunCache, fn: Callable, args: tuple, kwargs:
         raise TypeError(f"strategy.run(fn, ...) expects a callable, got {type(fn).__name__}")
     tops, treedef = jax.tree.flatten((args, dict(kwargs)), is_leaf=_is_distributed)
     num_first = len(jax.tree.leaves(args[0], is_leaf=_is_distributed)) if args else 0
-    kinds, values, statics = [], [], []
+    kinds, values, statics = [], [], []  # type: ignore[var-annotated]
     for top in tops:
         kind, value = _classify(layout, top)
         kinds.append(kind)
@@ -363,7 +363,10 @@ def _compile(layout: Layout, get_fn: Callable[[], Callable], treedef, kinds: tup
     split = jax.P(layout.data_axes)
     n = layout.num_replicas
     ctx = layout.context(per_replica=True)
-    traced_returns_state, out_ranks, out_statics, out_defs, state_leaves = [], [], {}, [], [0]
+    out_ranks: list = []
+    out_statics: dict = {}
+    out_defs: list = []
+    traced_returns_state, state_leaves = [], [0]
 
     def body(*vals):
         vals, consts = iter(vals), iter(statics)

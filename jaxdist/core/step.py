@@ -114,7 +114,7 @@ def _shape_key(layout: Any, leaves: list) -> tuple | None:
 
 def _same_layout(a: PyTree, b: PyTree) -> bool:
     """True when ``b`` could be stored in ``a``'s buffers (same structure, shapes and dtypes)."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
+    if jax.tree.structure(a) != jax.tree.structure(b):  # type: ignore[operator]
         return False
     return all(_same_leaf(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -187,8 +187,9 @@ class _Plan:
 
     def __init__(self, batch_def: Any, batch_shardings: tuple, compiled: Callable,
                  keeps_state: bool):
-        self.whole = None  # a weakref to a frozen state object (a flax TrainState)
-        self.treedef, self.refs = None, ()  # ... or to each leaf of another state
+        self.whole: Any = None  # a weakref to a frozen state object (a flax TrainState)
+        self.treedef: Any = None
+        self.refs: tuple = ()  # ... or to each leaf of another state
         self.batch_def, self.batch_shardings = batch_def, batch_shardings
         self.compiled, self.keeps_state = compiled, keeps_state
 
@@ -254,7 +255,7 @@ class DistributedStep:
         self.strategy = strategy
         self._donate = donate
         self._in_flight = InFlight(max_in_flight)
-        self._compiled: dict[Any, tuple[Callable, bool]] = {}
+        self._compiled: dict[Any, tuple] = {}  # (compiled, keeps_state, ...): per entry point
         self._plan: _Plan | None = None
         self._counts: dict[int, jax.Array] = {}  # steps() counts, placed once each
 
@@ -310,7 +311,7 @@ class DistributedStep:
         return state, batch, leaves, treedef, mask_at
 
     def _entry(self, state: PyTree, batch: PyTree, leaves: list, treedef: Any,
-               mask_at: Any) -> tuple[Callable, bool]:
+               mask_at: Any) -> tuple[Any, bool]:
         """The compiled step for an all-array ``state`` (compiled on first use)."""
         key = (treedef, jax.tree.structure(batch), mask_at,
                _shape_key(self.strategy.layout, leaves))

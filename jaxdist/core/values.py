@@ -62,7 +62,7 @@ class PerReplica:
         self._blocks = 0  # 0: ``_value`` is stacked; n: n replicas' values concatenated on axis 0
         # The global batch mask when this value has one row per example of a Batch that
         # strategy.run split (set by run): reduce / gather along axis 0 then count real rows only.
-        self._mask = None
+        self._mask: Any = None
 
     @classmethod
     def _from_blocks(cls, value: Any, num_replicas: int) -> PerReplica:

@@ -157,7 +157,7 @@ class ZeroShardings:
         key = (len(shape), dim)
         if key not in self._by_dim:
             axes = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
-            spec = [None] * len(shape)
+            spec: list = [None] * len(shape)
             spec[dim] = axes
             self._by_dim[key] = NamedSharding(self.mesh, jax.P(*spec))
         return self._by_dim[key]

@@ -13,7 +13,10 @@ from jaxdist.input.local import AutoShardPolicy as AutoShardPolicy
 from jaxdist.input.local import FileSource as FileSource
 from jaxdist.input.local import InputSyncTimeoutError as InputSyncTimeoutError
 from jaxdist.input.local import ShardableSource as ShardableSource
+from jaxdist.input.protocols import EpochIterator as EpochIterator
+from jaxdist.input.protocols import EpochSource as EpochSource
+from jaxdist.input.protocols import GroupedEpochSource as GroupedEpochSource
 
 __all__ = ["AutoShardPolicy", "Batch", "DatasetFromFunction", "DistributedDataset",
-           "DistributedIterator", "FileSource", "InputContext", "InputSyncTimeoutError",
-           "ShardableSource", "check_batch_leaves"]
+           "DistributedIterator", "EpochIterator", "EpochSource", "FileSource", "GroupedEpochSource",
+           "InputContext", "InputSyncTimeoutError", "ShardableSource", "check_batch_leaves"]

@@ -100,7 +100,7 @@ class DatasetFromFunction(DistributedDataset):
         self._per_replica = self.global_batch_size // strategy.num_replicas_in_sync
         self._stream = new_stream_name()
 
-    def _call_fn(self) -> Iterable:
+    def _call_fn(self) -> Any:  # an Iterable (checked), maybe an Iterator or grain MapDataset
         source = self._fn(self.input_context)
         if not isinstance(source, Iterable):
             raise TypeError(

@@ -33,8 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.core._datacheck import warn_non_finite
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree, warn_non_finite
 from jaxdist.core.layout import check_batch_leaves
 from jaxdist.core.step import stacked_sharding
 from jaxdist.core.values import Batch
@@ -256,9 +255,9 @@ class DistributedDataset:
         return self._num_examples
 
     def __iter__(self) -> "DistributedIterator":
-        return self._next_epoch()
+        return self.next_epoch()
 
-    def _next_epoch(self, **options: Any) -> "DistributedIterator":
+    def next_epoch(self, **options: Any) -> "DistributedIterator":
         """What ``iter()`` returns (the next epoch), with ``iterator``'s other options."""
         it = self.iterator(epoch=self._epoch, **options)
         self._epoch += 1
@@ -369,7 +368,7 @@ class DistributedDataset:
         batch, which are never used), ``steps`` batches at most; in-memory rows are gathered in
         one copy per group."""
         if self._arrays is None:
-            batches = self._host_batches(epoch, position, run, stop)
+            batches: Any = self._host_batches(epoch, position, run, stop)
             if steps is not None:
                 batches = _first(batches, steps)
             try:

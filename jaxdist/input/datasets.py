@@ -66,7 +66,7 @@ def read_idx(path: str) -> np.ndarray:
     if len(raw) < header:
         raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes)")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    dtype: np.dtype = np.dtype(_IDX_DTYPES[raw[2]])  # type: ignore[call-overload]
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - header != expected:
         raise ValueError(f"{path}: header says shape {shape} ({expected} bytes of data) but the file "

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.layout import Layout, check_batch_leaves
 
 __all__ = ["AutoShardPolicy", "FileSource", "InputSyncTimeoutError", "ShardableSource"]

@@ -333,10 +333,10 @@ def slurm_local_device_ids(environ: Mapping[str, str] | None = None) -> list[int
         gpus, _ = visible_gpus(environ)
     except ValueError:
         return None
-    local_rank = environ["SLURM_LOCALID"]
-    if gpus == 0 or not local_rank.isdigit():
+    local_id = environ["SLURM_LOCALID"]
+    if gpus == 0 or not local_id.isdigit():
         return None
-    local_rank, tasks = int(local_rank), _local_tasks(environ)
+    local_rank, tasks = int(local_id), _local_tasks(environ)
     per_task = re.search(r"(\d+)$", environ.get("SLURM_GPUS_PER_TASK", ""))
     if per_task and int(per_task[1]) > 0:
         k = int(per_task[1])

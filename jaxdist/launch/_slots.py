@@ -43,7 +43,7 @@ class Piece(NamedTuple):
       checksum: of its bytes (:func:`checksum`).
     """
 
-    index: tuple[tuple[int, int], ...]
+    index: tuple[tuple[int, int], ...]  # type: ignore[assignment]  # (shadows tuple.index)
     offset: int
     nbytes: int
     checksum: str
@@ -199,7 +199,7 @@ def read_piece(rank_dir: str, slot: int, header: dict, leaf: int, piece: Piece) 
     Raises:
       Damaged: its bytes are not the ones written.
     """
-    dtype = np.dtype(_dtype(header["leaves"][leaf]["dtype"]))
+    dtype = np.dtype(dtype_of(header["leaves"][leaf]["dtype"]))
     shape = tuple(b - a for a, b in piece.index)
     count = int(np.prod(shape, dtype=np.int64))
     if count * dtype.itemsize != piece.nbytes:
@@ -215,7 +215,7 @@ def read_piece(rank_dir: str, slot: int, header: dict, leaf: int, piece: Piece) 
     return block.reshape(shape)
 
 
-def _dtype(name: str) -> Any:
+def dtype_of(name: str) -> Any:
     try:
         return np.dtype(name)
     except TypeError:

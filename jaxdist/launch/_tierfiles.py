@@ -62,7 +62,7 @@ def request_flush(directory: str) -> str:
 
 def flushed(directory: str, rank: int | str, token: str) -> bool:
     """Whether process ``rank`` has answered flush request ``token``."""
-    return _read_token(os.path.join(directory, str(rank), "flushed")) == token
+    return read_token(os.path.join(directory, str(rank), "flushed")) == token
 
 
 def watches_flush(directory: str, rank: int | str) -> bool:
@@ -70,7 +70,7 @@ def watches_flush(directory: str, rank: int | str) -> bool:
     return os.path.exists(os.path.join(directory, str(rank), "flush-watch"))
 
 
-def _read_token(path: str) -> str | None:
+def read_token(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read().split()[0].decode()
@@ -102,7 +102,7 @@ def describe_tier(info: Mapping[str, Any]) -> str:
         why = "as JAXDIST_MEMORY_TIER_EVERY asks"
     else:
         why = f"budget {info.get('budget', DEFAULT_BUDGET):.0%} of steps/s"
-    return (f"in-memory tier (rank 0): {_fmt(info.get('bytes', 0))}, copied to host memory every "
+    return (f"in-memory tier (rank 0): {format_bytes(info.get('bytes', 0))}, copied to host memory every "
             f"{info.get('copy_every')} step(s) and written to the state directory every "
             f"{info.get('every')}, costing about {info.get('cost_s') or 0:.2g} s a step against "
             f"{info.get('step_s') or 0:.2g} s steps ({why}); a failure costs at most "
@@ -130,7 +130,7 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

@@ -85,7 +85,7 @@ class Agent:
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
-        self._round, self._members = -1, []  # the last round: number, [[agent id, info], ...]
+        self._round, self._members = -1, []  # type: ignore[var-annotated]  # the last round: number, [[agent id, info], ...]
         self._server_id: str | None = None  # the agent serving the store
         self._stopped = threading.Event()
         self._leaving = False
@@ -189,7 +189,7 @@ class Agent:
         here = len(last & set(ready))
         enough = here * 2 > len(last) if moved else here * 2 >= len(last)
         if not enough:
-            quorum = {"here": here, "of": len(last), "moved": moved}
+            quorum: dict[str, Any] = {"here": here, "of": len(last), "moved": moved}
             if self._said_quorum != n:
                 self._said_quorum = n
                 self.store.set("quorum", {"round": n, **quorum})
@@ -218,7 +218,7 @@ class Agent:
         try:
             while True:
                 try:
-                    joined = self._join()
+                    joined: tuple | None = self._join()
                     if joined is not None:
                         outcome, code = self._run_round(*joined)
                 except RendezvousError as e:
@@ -230,10 +230,10 @@ class Agent:
                              "it with the job's settings). The job goes on without it")
                     return 2
                 if joined is None:
-                    if self.l._signal is not None:
-                        self.say(f"received {signal.Signals(self.l._signal).name} between "
+                    if self.l.stop_signal is not None:
+                        self.say(f"received {signal.Signals(self.l.stop_signal).name} between "
                                  "rounds; leaving")
-                        return 0 if clean and self._round >= 0 else 128 + self.l._signal
+                        return 0 if clean and self._round >= 0 else 128 + self.l.stop_signal
                     if self.store.get("done"):
                         return 0
                     quorum = self.store.get("quorum")
@@ -259,7 +259,7 @@ class Agent:
                     if failures > self.max_restarts:
                         self.say(f"job failed after {failures - 1} restart(s) of this agent")
                         return code or 1
-                    if self.l.repeated(self.l._failures[-1][3] if self.l._failures else ""):
+                    if self.l.repeated(self.l.last_failure):
                         return code or 1
                     self.l.restarts += 1
         except RendezvousError as e:
@@ -291,7 +291,7 @@ class Agent:
         deadline = time.monotonic() + self.rdzv_timeout_s
         port = free_ports(1, host="")[0]
         while time.monotonic() < deadline:
-            if self.store.get("done") or self.l._signal is not None:
+            if self.store.get("done") or self.l.stop_signal is not None:
                 return None
             n = self.store.get("open")
             order = self._last_order if self._last_order is not None else 1 << 30
@@ -300,7 +300,7 @@ class Agent:
                 "order": order, "identity": self.identity})
             while time.monotonic() < deadline and self.store.get("open") == n:
                 time.sleep(0.05)
-                if self.l._signal is not None:
+                if self.l.stop_signal is not None:
                     return None  # SIGTERM while waiting for a round: leave now, not at the deadline
                 refused = self.store.get(f"rejected/{self.id}")
                 if refused:
@@ -329,7 +329,7 @@ class Agent:
         self.say(f"round {n}: {len(members)} host(s) {[m['host'] for _, m in members]}, "
                  f"ranks {first}..{first + self.nproc - 1} of {world}, coordinator "
                  f"{coordinator}")
-        state_dir = self.l._state_dir
+        state_dir = self.l.state_dir
         for path in [stop_path(state_dir)] + [
                 p for r in range(first, first + self.nproc)
                 for p in (heartbeat_path(state_dir, r), _tierfiles.outcome_path(state_dir, r))]:
@@ -337,7 +337,7 @@ class Agent:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-        procs, readers = [], []
+        procs, readers = [], []  # type: ignore[var-annotated]
         try:
             for i in range(self.nproc):
                 env = self.l.child_env(ClusterSpec(coordinator, world, first + i).to_env(), n,
@@ -346,13 +346,13 @@ class Agent:
                 procs.append(self.l.spawn(str(first + i), env, readers))
             return self._watch(n, ids, first, procs)
         finally:
-            self.l._end_group(procs, readers)
+            self.l.end_group(procs, readers)
 
     def _watch(self, n: int, ids: list[str], first: int, procs: list) -> tuple[str, int]:
         ranks = {first + i: p.pid for i, p in enumerate(procs)}
         local = {first + i: p for i, p in enumerate(procs)}
-        state_dir = self.l._state_dir
-        detector = HangDetector(state_dir, ranks, timeout_s=self.l._options.hang_timeout_s)
+        state_dir = self.l.state_dir
+        detector = HangDetector(state_dir, ranks, timeout_s=self.l.options.hang_timeout_s)
         draining = False
         store_ok = time.monotonic()
         silent_said = False
@@ -371,11 +371,11 @@ class Agent:
         while True:
             time.sleep(0.1)
             codes = [p.poll() for p in procs]
-            if self.l._signal is not None and not self._leaving:
-                if self.l._signal == signal.SIGKILL:
+            if self.l.stop_signal is not None and not self._leaving:
+                if self.l.stop_signal == signal.SIGKILL:
                     return "signal", 128 + signal.SIGKILL
                 self._leaving = True
-                self.say(f"received {signal.Signals(self.l._signal).name}: this host leaves "
+                self.say(f"received {signal.Signals(self.l.stop_signal).name}: this host leaves "
                          "the job at a step every process agrees on")
                 self.store.set(f"leaving/{self.id}", 1)
             outcomes = {r: _tierfiles.read_outcome(state_dir, r) for r, c in zip(local, codes)
@@ -443,7 +443,7 @@ class Agent:
             if stop is not None and not draining:
                 draining, self._stop = True, stop
                 try:
-                    write_stop(self.l._state_dir, stop)
+                    write_stop(self.l.state_dir, stop)
                 except OSError as e:  # a full /dev/shm: the tier never takes the agent down
                     self.say(f"could not ask this host's processes to stop at step {stop} ({e})")
 
@@ -600,10 +600,10 @@ def _identity(launcher: Any) -> dict[str, Any]:
     """What must match across the job's hosts: the versions and devices per process."""
     import jax
 
-    import jaxdist
+    from jaxdist._version import __version__
 
-    return {"jaxdist": jaxdist.__version__, "jax": jax.__version__,
-            "devices_per_process": launcher._options.devices_per_process}
+    return {"jaxdist": __version__, "jax": jax.__version__,
+            "devices_per_process": launcher.options.devices_per_process}
 
 
 def _quorum_message(here: int, of: int, moved: bool) -> str:

@@ -211,6 +211,27 @@ class _Launcher:
         self._open_line = False
         self._emit("stderr", start + (_PREFIX + message + "\n").encode())
 
+    # What the elastic agent (elastic.Agent) reads of this launcher, besides say, restarts,
+    # repeated and end_group.
+    @property
+    def options(self) -> _Options:
+        return self._options
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal this launcher was asked to stop with (SIGKILL after a second); None before."""
+        return self._signal
+
+    @property
+    def state_dir(self) -> str | None:
+        """The state directory its processes share (heartbeats, the in-memory tier); None when off."""
+        return self._state_dir
+
+    @property
+    def last_failure(self) -> str:
+        """How this job's last failure was described ("" before any)."""
+        return self._failures[-1][3] if self._failures else ""
+
     def request_stop(self, signum: int) -> None:
         """Called from a signal handler: forward `signum`; a second signal kills at once."""
         self._signal = signal.SIGKILL if self._signal is not None else signum
@@ -478,9 +499,9 @@ class _Launcher:
                 procs.append(self.spawn(str(rank), env, readers))
             return self._supervise(procs, deadline)
         finally:
-            self._end_group(procs, readers)
+            self.end_group(procs, readers)
 
-    def _end_group(self, procs: list[subprocess.Popen], readers: list[threading.Thread]) -> None:
+    def end_group(self, procs: list[subprocess.Popen], readers: list[threading.Thread]) -> None:
         for proc in procs:  # also reaps grandchildren left behind by a finished rank
             _kill_group(proc, signal.SIGKILL)
         for proc in procs:
@@ -554,7 +575,7 @@ class _Launcher:
                     return EXIT_TIMEOUT
                 self._wake.wait(0.05)
         finally:
-            self._end_group(list(procs.values()), readers)
+            self.end_group(list(procs.values()), readers)
 
     def _supervise(self, procs: list[subprocess.Popen],
                    deadline: float | None) -> tuple[int, str | None]:

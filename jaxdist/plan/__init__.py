@@ -17,3 +17,7 @@ from jaxdist.plan.cost import predict as predict
 from jaxdist.plan.cost import recommend as recommend
 from jaxdist.plan.cost import recommend_stage as recommend_stage
 from jaxdist.plan.cost import stage_memory as stage_memory
+
+__all__ = ["ALGORITHMS", "GB", "LINKS", "Link", "OPTIMIZER_SLOTS", "PRECISIONS", "Prediction",
+           "Recommendation", "StageMemory", "allreduce_time", "predict", "recommend",
+           "recommend_stage", "stage_memory"]

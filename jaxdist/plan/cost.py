@@ -32,6 +32,8 @@ import dataclasses
 import logging
 import math
 
+from jaxdist.core import collectives
+
 logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "one_device")
@@ -265,11 +267,6 @@ class Recommendation:
     reasons: tuple[str, ...]
 
 
-# jaxdist's cross_device_ops and the model that describes each: "xla" is the runtime's own
-# all-reduce (NCCL picks ring or tree on GPUs, ICI on TPUs, gloo's ring on CPUs).
-_OPS = {"xla": ("ring", "tree"), "hierarchical": ("hierarchical",), "one_device": ("one_device",)}
-
-
 def recommend(param_bytes: float, step_time_s: float, *, hosts: int = 1, devices_per_host: int = 1,
               batch_per_device: int = 32, num_leaves: int = 1, target_efficiency: float = 0.9,
               max_batch_per_device: int | None = None, **kwargs) -> Recommendation:
@@ -315,9 +312,11 @@ def recommend(param_bytes: float, step_time_s: float, *, hosts: int = 1, devices
     common = dict(hosts=hosts, devices_per_host=devices_per_host, num_leaves=num_leaves,
                   intra=intra, inter=inter, pack_bytes=pack, **kwargs)
     by_op = {}
-    for op, algs in _OPS.items():
+    # Each cross_device_ops value priced by the models its descriptor names ("xla" is the runtime's
+    # own all-reduce: NCCL picks ring or tree on GPUs, ICI on TPUs, gloo's ring on CPUs).
+    for op, spec in collectives.OPS.items():
         by_op[op] = min((predict(param_bytes, step_time_s, batch_per_device=batch_per_device,
-                                 algorithm=a, **common) for a in algs), key=lambda x: x.step_s)
+                                 algorithm=a, **common) for a in spec.cost_models), key=lambda x: x.step_s)
     best = min(by_op, key=lambda o: by_op[o].allreduce_s)
     op = best if by_op[best].allreduce_s < 0.9 * by_op["xla"].allreduce_s else "xla"
     reasons.append(f"cross_device_ops={op!r}: predicted all-reduce " + ", ".join(

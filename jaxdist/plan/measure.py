@@ -373,6 +373,8 @@ def run_cli(args) -> str:
         import jax
 
         jax.config.update("jax_num_cpu_devices", max(2, args.calibrate_devices))
+    param_bytes: float | None
+    num_params: float | None
     opt_bytes = num_params = None
     if args.model in ("mlp", "cnn"):
         param_bytes, leaves = model_size(args.model)

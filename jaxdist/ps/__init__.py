@@ -24,3 +24,8 @@ from jaxdist.ps.transport import TLSConfig as TLSConfig
 from jaxdist.ps.worker import WorkerRuntime as WorkerRuntime
 from jaxdist.ps.worker import make_step_id as make_step_id
 from jaxdist.ps.worker import remote as remote
+
+__all__ = ["ClosureError", "ClusterCoordinator", "LocalCluster", "OptimizerSpec",
+           "ParameterServer", "ParameterServerStrategy", "PerWorkerDataset", "Placement",
+           "PushRejected", "RemoteValue", "ServerConfig", "TLSConfig", "UpdateRecord",
+           "WorkerLost", "WorkerRuntime", "make_step_id", "optimizer", "plan", "remote"]

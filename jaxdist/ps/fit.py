@@ -73,7 +73,7 @@ class PSStep:
         self.strategy = strategy
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.coordinator = None
+        self.coordinator: Any = None  # the strategy's ClusterCoordinator, from the first call
         self.callbacks = (_Lifecycle(self),)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:

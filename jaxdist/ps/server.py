@@ -323,10 +323,10 @@ class ParameterServer:
                 if len(self._pending) >= sync:
                     pend = self._pending
                     self._pending = {}
-                    mean = {}
+                    mean: dict[str, Any] = {}
                     for k, (_, dtype) in self._shapes.items():
                         acc = np.result_type(dtype, np.float32)  # bf16/f16 sum in f32, f64 in f64
-                        total = sum(np.asarray(g[k], acc) for _, _, g in pend.values())
+                        total: Any = sum(np.asarray(g[k], acc) for _, _, g in pend.values())
                         mean[k] = (total / len(pend)).astype(dtype)
                     self._update(mean, [(s, w, v) for s, (w, v, _) in pend.items()])
                     status = "applied"

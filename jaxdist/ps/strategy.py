@@ -42,7 +42,7 @@ from jaxdist.ps.transport import (
     serve_until_stopped,
 )
 from jaxdist.ps.worker import WORKER_SERVICE, GradFn, WorkerRuntime, WorkerService, strategy_grad_fn
-from jaxdist.strategy.base import _scope, check_global_batch_size
+from jaxdist.strategy import check_global_batch_size, mesh_scope
 
 __all__ = ["ParameterServerStrategy", "LocalCluster"]
 
@@ -237,7 +237,7 @@ class ParameterServerStrategy:
         ...     scoped is s
         True
         """
-        return _scope(self, None)
+        return mesh_scope(self, None)
 
     def placement_report(self) -> str:
         """Which leaf lives on which server, and each server's load (after :meth:`start`)."""

@@ -154,7 +154,8 @@ class TLSConfig:
         if not all(got):
             raise ValueError(f"TLS needs all of {names}; got "
                              f"{ {n: v for n, v in zip(names, got)} }")
-        return cls(*got, server_name=environ.get("JAXDIST_PS_TLS_SERVER_NAME") or None)
+        cert, key, ca = got
+        return cls(cert, key, ca, server_name=environ.get("JAXDIST_PS_TLS_SERVER_NAME") or None)
 
     def _read(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -341,10 +342,11 @@ class _Gone(Exception):
 
 def _wrap(name: str, fn: Handler, receiver: _Receiver,
           limit: Callable[[str], int]) -> Callable:
-    def handler(requests, context: grpc.ServicerContext) -> bytes:
+    def handler(requests, context: grpc.ServicerContext) -> bytes:  # type: ignore[return]
+        # (each except clause ends in context.abort, which raises)
         try:
             request = receiver.receive(requests, context, limit(name))
-            return fn(request, Call(context))
+            return fn(request, Call(context))  # type: ignore[arg-type]  # (bytes or a memoryview of them)
         except _Gone:
             return b""  # cancelled: nobody reads the reply
         except PushRejected as e:
@@ -498,7 +500,7 @@ class Channel:
         self.address = address
         self._service = service
         self._metadata = ((_TOKEN_KEY, token),) if token is not None else ()
-        options = [("grpc.max_receive_message_length", -1),
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", -1),
                    ("grpc.max_send_message_length", -1),
                    # a restarted peer is back within a second, not after gRPC's
                    # default exponential backoff (up to 2 minutes)

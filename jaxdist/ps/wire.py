@@ -90,7 +90,7 @@ def encode(header: Mapping[str, Any], arrays: Mapping[str, Any] | None = None) -
         nbytes = arr.nbytes
         meta.append([key, _dtype_name(arr.dtype), list(arr.shape), offset, nbytes])
         # A uint8 view exports a plain byte buffer for every dtype (bfloat16 included).
-        buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         offset += nbytes
     head = msgpack.packb({**header, "arrays": meta}, use_bin_type=True)
     return b"".join([_LEN.pack(len(head)), head, *buffers])
@@ -117,7 +117,7 @@ class _Budget:
         out = dict(pairs)
         if len(out) != len(pairs):
             seen: set = set()
-            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
             raise WireError(f"header map repeats the key {dup!r}")
         return out
 

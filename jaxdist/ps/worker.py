@@ -239,7 +239,7 @@ class WorkerRuntime:
             loss, grads = self.grad_fn(params, batch)
             flat, _ = placement_lib.flatten(grads)
             parts = self.placement.split({k: np.asarray(v) for k, v in flat.items()})
-            results = self._each(lambda s, versions=versions, parts=parts: self.clients[s].push(
+            results = self._each(lambda s, versions=versions, parts=parts: self.clients[s].push(  # type: ignore[misc]
                 worker=self.index, step_id=step_id, version=versions[s], grads=parts[s]), todo)
             for shard, result in results.items():
                 if result.status in ("applied", "pending"):

@@ -17,9 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxdist.core import PyTree, per_replica
 from jaxdist.core import mesh as mesh_lib
-from jaxdist.core import per_replica
-from jaxdist.core._types import PyTree
 from jaxdist.core.layout import Layout
 from jaxdist.core.replica import ReduceOp
 from jaxdist.core.step import DistributedStep
@@ -142,11 +141,12 @@ class Strategy(abc.ABC):
         ...     print(scoped is s, dict(jax.sharding.get_abstract_mesh().shape))
         True {'data': 2}
         """
-        return _scope(self, self.mesh)
+        return mesh_scope(self, self.mesh)
 
 
 @contextlib.contextmanager
-def _scope(strategy: Any, mesh: Mesh | None) -> Iterator[Any]:
+def mesh_scope(strategy: Any, mesh: Mesh | None) -> Iterator[Any]:
+    """``strategy.scope()``'s body: yields ``strategy`` with ``mesh`` set (nothing set for None)."""
     if mesh is None:
         yield strategy
         return
@@ -196,7 +196,7 @@ class MeshStrategy(Strategy):
         user = getattr(self, "_user_mesh", None)
         if user is not None:  # the user's own mesh, run on its Auto twin (same devices, no copies)
             mesh = mesh_lib.with_auto_axes(user)
-            data_axes = self.data_axes  # checked and put in mesh order at construction
+            data_axes = self.data_axes  # type: ignore[attr-defined]  # (UserMeshStrategy's, checked and put in mesh order at construction)
         else:
             mesh = self._build_mesh()
             data_axes = self._data_axes(mesh)
@@ -496,7 +496,7 @@ class UserMeshStrategy(MeshStrategy):
     """
 
     _user_mesh: Mesh | None = dataclasses.field(default=None, init=False, repr=False)
-    mesh: Mesh | None = dataclasses.field(default=_MeshOption(), kw_only=True, compare=False,
+    mesh: Mesh | None = dataclasses.field(default=_MeshOption(), kw_only=True, compare=False,  # type: ignore[assignment]
                                           repr=False)
     data_axes: tuple[str, ...] | str | None = dataclasses.field(default=None, kw_only=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
@@ -39,11 +40,21 @@ def check_cross_device_options(strategy) -> None:
             f"cross_device_ops also takes tf.distribute's {tuple(ALIASES)}.") from None
 
 
-class _CrossDeviceOptions:
+if TYPE_CHECKING:  # a mixin of the MeshStrategy dataclasses that have these option fields
+    class _Options(MeshStrategy):
+        cross_device_ops: str
+        zero_stage: int
+        pack_bytes: int | None
+        compress: str | None
+else:
+    _Options = object
+
+
+class _CrossDeviceOptions(_Options):
     """Maps the public option fields onto what MeshStrategy reads."""
 
     @property
-    def _implementation(self) -> str:
+    def _implementation(self) -> str:  # type: ignore[override]  # (a field of MeshStrategy)
         return ALIASES.get(self.cross_device_ops, self.cross_device_ops)
 
     def _layout_hooks(self, mesh: Mesh, data_axes: tuple[str, ...]) -> dict:
@@ -65,11 +76,11 @@ class _CrossDeviceOptions:
         return hooks
 
     @property
-    def _pack_bytes(self) -> int | None:
+    def _pack_bytes(self) -> int | None:  # type: ignore[override]
         return self.pack_bytes
 
     @property
-    def _compress(self) -> str | None:
+    def _compress(self) -> str | None:  # type: ignore[override]
         return self.compress
 
 
@@ -139,7 +150,7 @@ class MirroredStrategy(_CrossDeviceOptions, UserMeshStrategy):
                 # process's devices, laid out (host, local), as MultiWorkerMirroredStrategy does.
                 return mesh_lib.host_local_mesh(jax.devices(), jax.process_count())
         devices = resolve_devices(self.devices, "MirroredStrategy")
-        if self.cross_device_ops == "hierarchical":
+        if collectives.OPS.get(self._implementation, collectives.OPS["xla"]).host_local:
             # Hierarchical reduction needs a (host, local) split; one process is a (1, n) mesh.
             return mesh_lib.host_local_mesh(devices, num_hosts=1)
         return mesh_lib.local_mesh(devices)

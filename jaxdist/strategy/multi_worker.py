@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxdist.core import collectives
 from jaxdist.core import mesh as mesh_lib
 from jaxdist.core.collectives import CROSS_PROCESS_PACK_BYTES
 from jaxdist.launch import runtime
@@ -128,6 +129,6 @@ class TPUStrategy(_CrossDeviceOptions, UserMeshStrategy):
         devices = self._tpu_devices()
         if jax.process_count() > 1:  # a TPU pod slice: every host's cores, laid out (host, local)
             return mesh_lib.host_local_mesh(devices, jax.process_count())
-        if self.cross_device_ops == "hierarchical":
+        if collectives.OPS.get(self._implementation, collectives.OPS["xla"]).host_local:
             return mesh_lib.host_local_mesh(devices, num_hosts=1)
         return mesh_lib.local_mesh(devices)

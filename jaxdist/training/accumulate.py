@@ -18,8 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxdist.core import replica
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree, replica
 from jaxdist.input.dataset import Batch
 
 

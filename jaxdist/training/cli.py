@@ -334,25 +334,25 @@ def _as_linen_like(model: Any, spec: str) -> Any:
 def _strategy(args, devices):
     import jax
 
-    import jaxdist
+    from jaxdist import strategy as strategies
 
     zero_stage = getattr(args, "zero_stage", 0)
     if args.strategy == "multi_worker":
-        return jaxdist.MultiWorkerMirroredStrategy(zero_stage=zero_stage)
+        return strategies.MultiWorkerMirroredStrategy(zero_stage=zero_stage)
     if args.strategy == "tpu":
         try:
-            return jaxdist.TPUStrategy(zero_stage=zero_stage)
+            return strategies.TPUStrategy(zero_stage=zero_stage)
         except RuntimeError:
             _fail(f"--strategy tpu: no TPU here (JAX's backend is {jax.default_backend()}); on a "
                   'Cloud TPU VM or a Colab TPU runtime install "jaxdist[tpu]", elsewhere use '
                   "--strategy mirrored")
     if args.strategy == "mirrored":
-        return jaxdist.MirroredStrategy(devices, zero_stage=zero_stage)
+        return strategies.MirroredStrategy(devices, zero_stage=zero_stage)
     if args.strategy == "central_storage":
-        return jaxdist.CentralStorageStrategy(devices)
+        return strategies.CentralStorageStrategy(devices)
     if args.strategy == "one_device":
-        return jaxdist.OneDeviceStrategy(devices[0])
-    return jaxdist.DefaultStrategy()
+        return strategies.OneDeviceStrategy(devices[0])
+    return strategies.DefaultStrategy()
 
 
 def _callbacks(args) -> list:
@@ -431,11 +431,13 @@ def train(args: argparse.Namespace) -> int:
               f"checkpoints in {args.checkpoint_dir}", flush=True)
         args.watch, args.log, args.poll, args.timeout = args.checkpoint_dir, None, 1.0, 3600.0
         return evaluate(args)
-    import jaxdist
+    from jaxdist._version import __version__
+    from jaxdist.launch import runtime
+    from jaxdist.training import fit as loop
     from jaxdist.training import models
 
     if args.strategy == "multi_worker":
-        jaxdist.initialize()  # before any computation: joins the job `jaxdist launch` describes
+        runtime.initialize()  # before any computation: joins the job `jaxdist launch` describes
     # --strategy mirrored without --devices is one job over every process's devices (as the
     # library's MirroredStrategy() is); a device list of its own keeps each process alone.
     every_process = args.devices is None and args.strategy == "mirrored"
@@ -452,7 +454,7 @@ def train(args: argparse.Namespace) -> int:
     _check_batch_against_data(args, len(x), n)
     cbs = _callbacks(args)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    say(f"jaxdist {jaxdist.__version__}: {type(strategy).__name__} over {n} "
+    say(f"jaxdist {__version__}: {type(strategy).__name__} over {n} "
         f"{jax.default_backend()} device(s) in {jax.process_count()} process(es); {args.model} on "
         f"{args.data or args.dataset} ({len(x)} train / {len(xt)} test), global batch "
         f"{args.batch_size}, {args.precision}"
@@ -462,7 +464,7 @@ def train(args: argparse.Namespace) -> int:
                                       seed=args.seed, precision=args.precision)
     step = strategy.step(functools.partial(models.classifier_train_step, accumulate=args.accumulate))
     t0 = time.perf_counter()
-    hist = jaxdist.fit(step, state, strategy.distribute((x, y), args.batch_size, shuffle=True,
+    hist = loop.fit(step, state, strategy.distribute((x, y), args.batch_size, shuffle=True,
                                                         seed=args.seed),
                        epochs=args.epochs, eval_step=models.classifier_eval_step,
                        eval_data=strategy.distribute((xt, yt), args.batch_size), callbacks=cbs,
@@ -470,14 +472,14 @@ def train(args: argparse.Namespace) -> int:
                        steps_per_execution=args.steps_per_execution)
     elapsed = time.perf_counter() - t0
     if _show_epoch_lines(args):
-        for e, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
+        for epoch, (loss, acc, vl, va) in zip(hist.epochs, zip(*(hist.history[k] for k in (
                 "loss", "accuracy", "val_loss", "val_accuracy")))):
-            say(f"epoch {e + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
+            say(f"epoch {epoch + 1:3d}: loss {loss:.4f}  accuracy {acc:.4f}  "
                 f"val_loss {vl:.4f}  val_accuracy {va:.4f}")
     trained = len(hist.epochs)
     say(f"trained {trained} epochs in {elapsed:.1f}s "
         f"({trained * len(x) / max(elapsed, 1e-9):,.0f} examples/s incl. compilation and evaluation)")
-    final = jaxdist.evaluate(models.classifier_eval_step, hist.state,
+    final = loop.evaluate(models.classifier_eval_step, hist.state,
                              strategy.distribute((xt, yt), args.batch_size))
     say(f"test accuracy: {final['accuracy']:.4f}")
     return 0
@@ -489,15 +491,16 @@ def evaluate(args: argparse.Namespace) -> int:
     import optax
     from flax.training import train_state
 
-    import jaxdist
+    from jaxdist import strategy as strategies
     from jaxdist.checkpoint import evaluator
+    from jaxdist.training import fit as loop
     from jaxdist.training import models
 
     if getattr(args, "command", None) == "evaluate":
         _PROG[0] = "jaxdist evaluate"
     (_, y), (xt, yt) = _load_data(args)
     model = _build_model(args, _num_classes(args, y, yt))
-    strategy = jaxdist.MirroredStrategy(jax.local_devices())
+    strategy = strategies.MirroredStrategy(jax.local_devices())
     n = strategy.num_replicas_in_sync
     batch = max(n, args.batch_size // n * n)
     data = strategy.distribute((xt, yt), batch)
@@ -507,7 +510,7 @@ def evaluate(args: argparse.Namespace) -> int:
         params = mgr.restore(step, strategy=strategy)["params"]  # no template: saved metadata
         state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                               tx=optax.identity())
-        return jaxdist.evaluate(step_fn, state, data)
+        return loop.evaluate(step_fn, state, data)
 
     log = args.log or os.path.join(args.watch, "eval_log.jsonl")
     print(f"jaxdist evaluate: watching {args.watch}; log {log}"

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree
 from jaxdist.core.step import DistributedStep, check_max_in_flight
 from jaxdist.input.dataset import DistributedDataset
 from jaxdist.launch.cluster import ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP
@@ -181,7 +181,7 @@ def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed
     return strategy.distribute(data, batch_size, shuffle=shuffle, seed=seed)
 
 
-def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Callable:
+def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Any:  # a DistributedStep, or ps.fit's
     if isinstance(step_fn, DistributedStep):
         return step_fn
     return strategy.step(step_fn, donate=donate)
@@ -230,7 +230,7 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
         _grouped_step(step, dataset, group, "evaluate")
     meter = _Meter(max_in_flight)
     # The next epoch, as iter(dataset): a shuffled dataset visits the order K=1 would.
-    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
     with run as it:
         for k, item in enumerate(it):
             if group == 1 and steps is not None and k >= steps:
@@ -319,7 +319,7 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
         host = jax.tree.map(_to_host, out)
         chunks.extend(jax.tree.map(lambda v, i=i: v[i][keep[i]], host) for i in range(count))
 
-    run = dataset._next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
     with run as it:
         for k, item in enumerate(it):
             if group > 1:
@@ -359,7 +359,7 @@ def _warn_nonfinite(info: TrainInfo) -> bool:
     return True
 
 
-def _train_epoch(step: Callable, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
+def _train_epoch(step: Any, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
                  steps_per_epoch: int | None, max_in_flight: int, warned: bool) -> bool:
     """One epoch's calls (one step each, or ``group`` with ``steps_per_execution``): the state,
     the metrics read a few calls late, the callbacks once per call. Returns ``warned``."""

@@ -30,8 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jaxdist.core import replica
-from jaxdist.core._types import PyTree
+from jaxdist.core import PyTree, replica
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

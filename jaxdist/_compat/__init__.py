@@ -10,15 +10,19 @@ and monkeypatching see one module, never a copy):
   release with a ``DeprecationWarning`` that names the new path.
 
 ``jaxdist.fit`` is the function ``fit``; its module is ``jaxdist.training.fit``.
+
+Each old path is a plain stub module that calls :func:`alias` with its own name: the top-level
+ones live in ``jaxdist/_compat/paths/`` (which ``jaxdist/__init__.py`` adds to the package's search
+path, ``jaxdist.__path__``, so that the top level stays small), ``jaxdist.launch.memstate`` in
+``jaxdist/launch/``. No import hook: ``python -m`` and ``importlib`` see ordinary modules.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
+import os
 import sys
+import types
 import warnings
 
 PUBLIC = {
@@ -58,36 +62,26 @@ DEPRECATED = {  # removed in 0.5.0
 MOVED = {**PUBLIC, **DEPRECATED}
 
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old module path and loads it as the module at its new path."""
+__all__ = ["DEPRECATED", "MOVED", "PATHS", "PUBLIC", "alias"]
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=False)
-
-    def create_module(self, spec):
-        new = MOVED[spec.name]
-        if spec.name in DEPRECATED:
-            # stacklevel 2 is the importing line: warnings skips importlib's own frames
-            warnings.warn(f"{spec.name} moved to {new}; the old path is removed in jaxdist 0.5.0. "
-                          f"Import {new} instead.", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(new)
-        self._specs = getattr(self, "_specs", {})
-        self._specs[spec.name] = module.__spec__
-        return module
-
-    def exec_module(self, module):
-        # The import system set __spec__ to the alias's; the module keeps its own.
-        module.__spec__ = self._specs.pop(module.__spec__.name, module.__spec__)
-
-    def get_code(self, fullname):  # ``python -m`` an old path (runpy asks the loader for code)
-        new = MOVED[fullname]
-        spec = importlib.util.find_spec(new)
-        return spec.loader.get_code(new)
+# Where the top-level stub modules are (jaxdist/__init__.py puts it on jaxdist.__path__).
+PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths")
 
 
-def install() -> None:
-    """Puts the alias finder on ``sys.meta_path`` (once)."""
-    if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+def alias(old: str) -> types.ModuleType:
+    """Makes the module at ``old`` (a stub being imported) the module at its new path.
+
+    Called from the stub's body: imports the new module, puts it in ``sys.modules`` under the old
+    name, which is what the import statement then returns (the same module object, so
+    ``isinstance`` and monkeypatching see one module), and, for a deprecated path, warns naming
+    the new one.
+    """
+    new = MOVED[old]
+    if old in DEPRECATED:
+        # stacklevel 3 is the importing line: alias, the stub, then (importlib's frames skipped)
+        # the import statement
+        warnings.warn(f"{old} moved to {new}; the old path is removed in jaxdist 0.5.0. "
+                      f"Import {new} instead.", DeprecationWarning, stacklevel=3)
+    module = importlib.import_module(new)
+    sys.modules[old] = module
+    return module

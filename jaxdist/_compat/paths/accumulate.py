@@ -1,0 +1,5 @@
+"""``jaxdist.accumulate`` is ``jaxdist.training.accumulate`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.accumulate")

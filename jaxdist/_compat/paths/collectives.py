@@ -1,0 +1,5 @@
+"""``jaxdist.collectives`` is ``jaxdist.core.collectives`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.collectives")

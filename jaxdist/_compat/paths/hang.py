@@ -1,0 +1,5 @@
+"""``jaxdist.hang`` is ``jaxdist.launch.hang`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.hang")

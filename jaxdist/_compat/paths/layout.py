@@ -1,0 +1,5 @@
+"""``jaxdist.layout`` is ``jaxdist.core.layout`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.layout")

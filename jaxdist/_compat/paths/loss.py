@@ -1,0 +1,5 @@
+"""``jaxdist.loss`` is ``jaxdist.core.loss`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.loss")

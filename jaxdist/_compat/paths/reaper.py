@@ -1,0 +1,5 @@
+"""``jaxdist.reaper`` is ``jaxdist.launch.reaper`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.reaper")

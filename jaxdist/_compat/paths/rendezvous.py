@@ -1,0 +1,5 @@
+"""``jaxdist.rendezvous`` is ``jaxdist.launch.rendezvous`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.rendezvous")

@@ -1,0 +1,5 @@
+"""``jaxdist.replica`` is ``jaxdist.core.replica`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.replica")

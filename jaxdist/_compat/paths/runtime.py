@@ -1,0 +1,5 @@
+"""``jaxdist.runtime`` is ``jaxdist.launch.runtime`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.runtime")

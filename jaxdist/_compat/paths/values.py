@@ -1,0 +1,5 @@
+"""``jaxdist.values`` is ``jaxdist.core.values`` (deprecated: removed in jaxdist 0.5.0)."""
+
+from jaxdist._compat import alias
+
+alias("jaxdist.values")
