@@ -365,21 +365,21 @@ def test_every_mistake_is_one_line_naming_the_flag_before_any_work(command, text
 def test_a_batch_larger_than_the_training_set_is_refused(capsys, monkeypatch):
     # before: --batch-size 5000 on the 1,438 digits padded to one step an epoch and ended at 0.12
     # accuracy without a word. Refused (exit 2) once the data is loaded, before any training.
-    import jaxdist
+    from jaxdist.training import fit as loop
 
     def work(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(jaxdist, "fit", work)
+    monkeypatch.setattr(loop, "fit", work)  # what `jaxdist train` calls
     err = _main_error(["train", "--batch-size", "5000"], capsys)
     assert ("--batch-size 5000 is more than the 1438 training examples of digits: each epoch would "
             "be one step, mostly padding; use at most 1438 (e.g. --batch-size 128)") in err
 
 
 def test_strategy_tpu_is_a_choice_and_without_a_tpu_one_line(capsys, monkeypatch):
-    import jaxdist
+    from jaxdist.training import fit as loop
 
-    monkeypatch.setattr(jaxdist, "fit", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(loop, "fit", lambda *a, **k: pytest.fail("training started"))
     err = _main_error(["train", "--strategy", "tpu"], capsys)
     assert err.startswith("jaxdist train: error: --strategy tpu: no TPU here (JAX's backend is "
                           "cpu)") and "--strategy mirrored" in err

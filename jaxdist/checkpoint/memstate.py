@@ -328,10 +328,10 @@ class StateTier:
         held = None
         if moving:
             if self._overlap is not None:
-                copies, held = self._overlap.to_host(moving)
-                copies = iter(copies)
+                landed, held = self._overlap.to_host(moving)
             else:
-                copies = iter(self._to_host(moving))
+                landed = self._to_host(moving)
+            copies = iter(landed)
             for i, n in where:
                 out[i] = out[i]._replace(data=[next(copies) for _ in range(n)])
         return out, held

@@ -16,9 +16,9 @@ import math
 import os
 from typing import Any
 
-from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
-from jaxdist.launch._tierfiles import ENV_TIER as ENV_TIER
-from jaxdist.launch._tierfiles import tier_on
+from jaxdist.launch import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch import ENV_TIER as ENV_TIER
+from jaxdist.launch import tier_on
 
 logger = logging.getLogger(__name__)
 

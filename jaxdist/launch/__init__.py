@@ -21,6 +21,7 @@ import importlib
 
 from jaxdist.launch import _slots as slot_files
 from jaxdist.launch._tierfiles import DEFAULT_BUDGET as DEFAULT_BUDGET
+from jaxdist.launch._tierfiles import ENV_TIER as ENV_TIER
 from jaxdist.launch._tierfiles import describe_tier as describe_tier
 from jaxdist.launch._tierfiles import flush_path as flush_path
 from jaxdist.launch._tierfiles import flushed as flushed
@@ -31,14 +32,15 @@ from jaxdist.launch._tierfiles import read_tier as read_tier
 from jaxdist.launch._tierfiles import read_token as read_token
 from jaxdist.launch._tierfiles import request_flush as request_flush
 from jaxdist.launch._tierfiles import stop_path as stop_path
+from jaxdist.launch._tierfiles import tier_on as tier_on
 from jaxdist.launch._tierfiles import tier_path as tier_path
 from jaxdist.launch._tierfiles import watches_flush as watches_flush
 from jaxdist.launch._tierfiles import write_stop as write_stop
 
 _LAUNCHER = ("run", "main", "free_ports", "EXIT_HUNG", "EXIT_TIMEOUT", "ENV_INIT_TIMEOUT")
-__all__ = [*_LAUNCHER, "DEFAULT_BUDGET", "describe_tier", "flush_path", "flushed", "format_bytes",
+__all__ = [*_LAUNCHER, "DEFAULT_BUDGET", "ENV_TIER", "describe_tier", "flush_path", "flushed", "format_bytes",
            "outcome_path", "read_outcome", "read_tier", "read_token", "request_flush", "slot_files",
-           "stop_path", "tier_path", "watches_flush", "write_stop"]
+           "stop_path", "tier_on", "tier_path", "watches_flush", "write_stop"]
 
 
 def __getattr__(name: str):

@@ -42,7 +42,7 @@ def _range_sum(raw: np.ndarray, lo: int, hi: int) -> int:
 
 def _write_range(fd: int, raw: np.ndarray, lo: int, hi: int, offset: int) -> tuple[int, float]:
     cpu0 = time.thread_time()
-    view = memoryview(raw[lo:hi])
+    view = memoryview(raw[lo:hi])  # type: ignore[arg-type]  # numpy's stubs: Buffer on 3.12+ only
     done = 0
     while done < hi - lo:
         done += os.pwrite(fd, view[done:], offset + lo + done)

@@ -160,7 +160,7 @@ def write(rank_dir: str, slot: int, *, step: int, data_state: dict | None, finge
         except OSError as e:
             raise TierFull(e.errno, f"no room for a {total / 1e6:.1f} MB snapshot in {rank_dir}: "
                                     f"{e.strerror}") from None
-        placed = []  # (meta piece, contiguous block) in file order
+        placed: list[tuple[dict[str, Any], np.ndarray]] = []  # (meta piece, block) in file order
         for shape, dtype, blocks in leaves:
             pieces = []
             for index, block in blocks:
