@@ -122,11 +122,20 @@ def join_if_launched() -> ClusterSpec | None:
         return None  # jaxdist.initialize() (or a strategy) says what is wrong, in the script
     if spec is None or spec.num_processes <= 1 or not spec.is_jax_process:
         return None
-    from jax._src import xla_bridge  # whether the backend started: no public predicate
-
-    if _distributed_state().client is not None or xla_bridge.backends_are_initialized():
+    if _distributed_state().client is not None or _backend_started():
         return None
     return initialize(spec)
+
+
+def _backend_started() -> bool:
+    """Whether JAX's backend has started (JAX has no public predicate for it; where the private
+    one is missing, joining is tried and JAX's own error says what went wrong)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
 
 
 def check_joined(what: str) -> None:
