@@ -20,9 +20,13 @@ EXTRA_MODULES = ("jaxdist.plan", "jaxdist.evaluator", "jaxdist.memstate")
 
 
 def public_names(module: types.ModuleType) -> list[str]:
-    """The public names of ``module``: its ``__all__``, or what it defines without a leading ``_``."""
+    """The public names of ``module``: its ``__all__``, or what it defines without a leading ``_``.
+
+    Plain values of built-in types in ``__all__`` (``jaxdist.plan.LINKS``, a dict) are left out:
+    their docstring would be the built-in type's; the module's own docstring describes them."""
     if hasattr(module, "__all__"):
-        return [n for n in module.__all__ if not isinstance(getattr(module, n), types.ModuleType)]
+        return [n for n in module.__all__ if not isinstance(getattr(module, n), types.ModuleType)
+                and not _builtin_value(getattr(module, n))]
     names = []
     for name, obj in vars(module).items():
         if name.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
@@ -31,6 +35,10 @@ def public_names(module: types.ModuleType) -> list[str]:
         if home == module.__name__ or home.startswith(module.__name__ + "."):
             names.append(name)
     return sorted(names)
+
+
+def _builtin_value(obj: object) -> bool:
+    return type(obj).__module__ == "builtins" and not callable(obj)
 
 
 def public_modules() -> list[str]:
