@@ -234,3 +234,19 @@ def test_an_async_save_whose_peer_died_says_so_in_one_line(tmp_path, monkeypatch
     assert "restorable ([1])" in text
     monkeypatch.undo()
     mgr.close()
+
+
+@pytest.mark.multiprocess
+def test_a_torchrun_style_initialize_after_import_joins_the_same_job(tmp_path):
+    # before: JAX raised "distributed.initialize should only be called once" in every process,
+    # since importing jaxdist had joined the job already
+    script = os.path.join(REPO, "tests", "_scripts", "torchrun_style_join.py")
+    res = launch.run([script], num_processes=2, devices_per_process=1, timeout_s=180,
+                     grace_period_s=5, env=ENV, cwd=REPO)
+    assert res.returncode == 0, res.output[-3000:]
+    assert "rank 0 of 2: sum 3" in res.output and "rank 1 of 2: sum 3" in res.output
+    # another job than the one joined: one error naming it and the fix
+    res = launch.run([script, "other"], num_processes=2, devices_per_process=1, timeout_s=180,
+                     grace_period_s=5, env=ENV, cwd=REPO)
+    assert res.returncode != 0
+    assert "already joined the job at" in res.output and "JAXDIST_JOIN_ON_IMPORT=0" in res.output

@@ -124,7 +124,44 @@ def join_if_launched() -> ClusterSpec | None:
         return None
     if _distributed_state().client is not None or _backend_started():
         return None
-    return initialize(spec)
+    joined = initialize(spec)
+    _accept_the_same_join(joined)
+    return joined
+
+
+def _accept_the_same_join(joined: ClusterSpec) -> None:
+    """Lets the script's own ``jax.distributed.initialize(...)`` of the job it already joined on
+    import be a no-op (a torchrun-style script calls it with MASTER_ADDR, WORLD_SIZE and RANK);
+    JAX would raise "should only be called once". A call naming another job still raises, with
+    the reason and the fix."""
+    import inspect
+
+    import jax
+
+    original = jax.distributed.initialize
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return
+
+    def initialize_once(*args, **kwargs):
+        given = signature.bind_partial(*args, **kwargs).arguments
+        address, count, pid = (given.get("coordinator_address"), given.get("num_processes"),
+                               given.get("process_id"))
+        ours_port = (joined.coordinator_address or "").rpartition(":")[2]
+        if ((address is None or str(address).rpartition(":")[2] == ours_port)
+                and count in (None, joined.num_processes) and pid in (None, joined.process_id)):
+            logger.info("jax.distributed.initialize: this process already joined %s when it "
+                        "imported jaxdist; nothing to do", _job(joined))
+            return None
+        raise RuntimeError(
+            f"jax.distributed.initialize(coordinator_address={address!r}, num_processes={count!r}, "
+            f"process_id={pid!r}): this process already joined {_job(joined)} when it imported "
+            "jaxdist (jaxdist launch does that). Fix: leave this call out, or launch with "
+            "JAXDIST_JOIN_ON_IMPORT=0 to join on your own.")
+
+    initialize_once.__wrapped__ = original  # type: ignore[attr-defined]
+    jax.distributed.initialize = initialize_once
 
 
 def _backend_started() -> bool:
