@@ -362,3 +362,35 @@ def test_train_options_past_any_use_are_one_usage_line(argv, says, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_damaged_metadata_in_the_newest_backup_is_skipped_and_moved_aside_on_the_next_save(
+        tmp_path, caplog):
+    # before: the resume fell back to step 4, then the save of step 8 failed on every restart
+    # (StepAlreadyExistsError: step 8 listed as restorable, but not)
+    import logging
+
+    import jax
+
+    import jaxdist
+    from jaxdist import models
+
+    x, y = jaxdist.datasets.synthetic(40, shape=(6,))
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(epochs):
+        init = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+        cb = jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"), delete_checkpoint=False)
+        h = jaxdist.fit(s.step(models.classifier_train_step), init, s.distribute((x, y), 10),
+                        epochs=epochs, callbacks=[cb], verbose=0)
+        return h, cb
+
+    run(2)  # backups at steps 4 and 8
+    meta = tmp_path / "b" / "8" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"step": 8', '"step": 9'))
+    caplog.set_level(logging.WARNING, logger="jaxdist.checkpoint")
+    history, cb = run(3)
+    assert cb.restored_step == 4 and int(history.state.step) == 12
+    moved = [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("damaged-step-8-")]
+    assert len(moved) == 1 and "moved damaged checkpoint step 8 aside to" in caplog.text
+    assert cb.manager.all_steps() == [8, 12] and cb.manager.metadata(8)["step"] == 8
