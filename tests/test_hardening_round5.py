@@ -394,3 +394,22 @@ def test_damaged_metadata_in_the_newest_backup_is_skipped_and_moved_aside_on_the
     moved = [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("damaged-step-8-")]
     assert len(moved) == 1 and "moved damaged checkpoint step 8 aside to" in caplog.text
     assert cb.manager.all_steps() == [8, 12] and cb.manager.metadata(8)["step"] == 8
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -0.1, "0.1"])
+def test_a_parameter_server_refuses_a_learning_rate_it_cannot_use_at_init(rate):
+    # before: taken at Init; one push later the shard was NaN (or climbing, for a negative rate)
+    from jaxdist.ps import ServerConfig, wire
+    from jaxdist.ps.server import PushRejected
+    from jaxdist.ps.transport import PSService
+
+    service = PSService(0)
+    config = ServerConfig().to_dict()
+    del config["checkpoint_dir"]
+    import numpy as np
+
+    request = wire.encode({"index": 0, "config": config, "optimizer": {
+        "name": "sgd", "kwargs": {"learning_rate": rate}}}, {"w": np.zeros(2, np.float32)})
+    with pytest.raises(PushRejected, match=re.escape(f"learning_rate={rate!r}")):
+        service.init(request)
+    assert service.server is None
