@@ -353,7 +353,8 @@ def test_a_gpu_count_past_any_host_is_one_line_not_a_huge_list():
 @pytest.mark.parametrize("argv, says", [
     (["train", "--seed", str(2 ** 64)], "--seed: expected a whole number from 0 to"),
     (["train", "--steps-per-execution", "1" + "0" * 20], "--steps-per-execution: expected a whole"),
-], ids=["seed-2**64", "steps-per-execution-1e20"])
+    (["train", "--tensorboard", "/proc/nope"], "/proc/nope: cannot create a directory there"),
+], ids=["seed-2**64", "steps-per-execution-1e20", "tensorboard-proc"])
 def test_train_options_past_any_use_are_one_usage_line(argv, says, capsys):
     # before: taken, then a traceback (OverflowError from the seed) or a huge padded group
     from jaxdist import cli
@@ -413,3 +414,12 @@ def test_a_parameter_server_refuses_a_learning_rate_it_cannot_use_at_init(rate):
     with pytest.raises(PushRejected, match=re.escape(f"learning_rate={rate!r}")):
         service.init(request)
     assert service.server is None
+
+
+def test_a_backup_directory_that_is_a_file_is_one_line_at_once(tmp_path):
+    # before: taken, then an Orbax traceback at the first restore or save
+    from jaxdist.callbacks import BackupAndRestore
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"^checkpoint directory '.*file' is a file, not a dir"):
+        BackupAndRestore(str(tmp_path / "file"))

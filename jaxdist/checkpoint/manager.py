@@ -272,6 +272,10 @@ class CheckpointManager:
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode={best_mode!r}; expected 'min' or 'max'")
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            # else Orbax fails at the first save or restore, deep in a traceback
+            raise ValueError(f"checkpoint directory {os.fspath(directory)!r} is a file, not a "
+                             "directory; pass a directory (it is created if missing)")
         self.best_metric = best_metric
         self.verify = verify
         self._async = async_save
