@@ -300,10 +300,13 @@ def test_stalled_unauthenticated_calls_do_not_silence_the_rendezvous_store(token
      "JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes"),
     ({"JAXDIST_MEMORY_TIER": "maybe"}, [], "JAXDIST_MEMORY_TIER='maybe': expected 1"),
     ({"JAXDIST_STATE_DIR": "FILE"}, [], "is a file, not a directory"),
-], ids=["tier-off-elastic", "tier-maybe", "state-dir-file"])
+    ({"JAXDIST_RDZV_TOKEN": "tökën"}, ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "JAXDIST_RDZV_TOKEN='tökën': expected printable ASCII characters"),
+], ids=["tier-off-elastic", "tier-maybe", "state-dir-file", "token-non-ascii"])
 def test_tier_settings_that_cannot_work_are_one_usage_line(env, argv, says, tmp_path, monkeypatch,
                                                            capsys):
-    # before: a traceback from the launcher (or, for 'maybe', the tier silently on)
+    # before: a traceback from the launcher (or, for 'maybe', the tier silently on; a non-ASCII
+    # token failed every rendezvous call with "INTERNAL: Invalid metadata")
     (tmp_path / "file").write_text("")
     for name, value in env.items():
         monkeypatch.setenv(name, str(tmp_path / "file") if value == "FILE" else value)
@@ -423,3 +426,38 @@ def test_a_backup_directory_that_is_a_file_is_one_line_at_once(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"^checkpoint directory '.*file' is a file, not a dir"):
         BackupAndRestore(str(tmp_path / "file"))
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_rendezvous_endpoint_in_brackets_binds_and_the_job_runs(tmp_path):
+    # before: the agent bound "::1:PORT" (no brackets), which gRPC cannot parse: the store never
+    # came up and every call ran into its deadline
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('coordinator', os.environ['JAXDIST_COORDINATOR'])\n")
+    port = launch.free_ports(1)[0]
+    result = launch.run([str(script)], num_processes=2, timeout_s=90, nnodes=(1, 1),
+                        rdzv_endpoint=f"[::1]:{port}", rdzv_timeout_s=20,
+                        env=_env())
+    assert result.returncode == 0, result.output
+    assert f"serving the rendezvous store on [::1]:{port}" in result.output, result.output
+    assert len(re.findall(r"\[\d\] coordinator \[::1\]:\d+", result.output)) == 2, result.output
+
+
+def test_an_endpoint_host_that_does_not_resolve_is_one_line(tmp_path, capsys):
+    # before: a RendezvousError traceback (DEADLINE_EXCEEDED) that never named the host
+    code = launch.main(["-n", "1", "--nnodes", "1", "--rdzv-endpoint", "nosuchhost.invalid:29400",
+                        "--rdzv-timeout", "1", str(tmp_path / "x.py")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert "--rdzv-endpoint host 'nosuchhost.invalid' does not resolve" in err, err
