@@ -461,3 +461,29 @@ def test_an_endpoint_host_that_does_not_resolve_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err, err
     assert "--rdzv-endpoint host 'nosuchhost.invalid' does not resolve" in err, err
+
+
+def test_steps_per_execution_past_the_epoch_is_capped_at_the_epochs_steps():
+    # before: the one group of an 8-batch epoch was padded to K batches (K=40000: 2.4 GB for
+    # the model); the numbers were the same, the memory was not
+    import jax
+    import numpy as np
+
+    import jaxdist
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    data = s.distribute(x, 8)  # 8 batches per epoch
+    groups = list(data.iterator(group_size=40000))
+    assert len(groups) == 1 and groups[0].batches.data.shape == (8, 8, 3)
+    assert len(groups[0].num_real) == 8
+    assert list(data.iterator(group_size=40000, steps=3))[0].batches.data.shape[0] == 3
+
+    def step(total, batch):
+        part = (batch.data * batch.mask[:, None]).sum()
+        return total + part, {"sum": part}
+
+    one = jaxdist.fit(s.step(step), np.float32(0.0), data, epochs=2, verbose=0)
+    many = jaxdist.fit(s.step(step), np.float32(0.0), data, epochs=2, verbose=0,
+                       steps_per_execution=40000)
+    assert float(many.state) == float(one.state) == 2 * float(x.sum())
