@@ -207,7 +207,7 @@ _USAGE_ERRORS = [  # argv, what the one line says
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "inf"],
      "--rdzv-last-call: expected a number >= 0"),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-timeout", "1e-9"],
-     "--rdzv-timeout: expected a number >= 1"),
+     "--rdzv_timeout: expected a number >= 1"),  # argparse names the option with its alias
     (["--timeout", "nan"], "--timeout: expected a number > 0"),
     (["--hang-timeout", "inf"], "--hang-timeout: expected a number > 0"),
     (["--init-timeout", "-1"], "--init-timeout: expected a number > 0"),
