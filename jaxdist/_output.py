@@ -326,7 +326,10 @@ def _can_create(text: str, path: str) -> None:
     except OSError as e:
         raise argparse.ArgumentTypeError(
             f"{text}: cannot create a directory there ({e.strerror or e})") from None
-    os.rmdir(path)
+    try:
+        os.rmdir(path)
+    except OSError:  # another process of the job has begun to fill it: it stays
+        pass
 
 
 def directory(*, exists: bool) -> Callable[[str], str]:
