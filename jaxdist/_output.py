@@ -316,6 +316,22 @@ def module_factory(*, builtins: tuple[str, ...] = (), example: str) -> Callable[
     return parse
 
 
+def _can_create(text: str, path: str) -> None:
+    """Creates and removes ``path`` once: a folder where nothing can be made (``/proc``, a
+    read-only mount) is one usage line now, not a traceback once training has begun."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # another process of the job made it meanwhile
+        return
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text}: cannot create a directory there ({e.strerror or e})") from None
+    try:
+        os.rmdir(path)
+    except OSError:  # another process of the job has begun to fill it: it stays
+        pass
+
+
 def directory(*, exists: bool) -> Callable[[str], str]:
     """An argparse ``type``: a directory that exists (``exists=True``), or a path that can become
     one (not a file, in a folder that exists)."""
@@ -333,6 +349,8 @@ def directory(*, exists: bool) -> Callable[[str], str]:
             if not os.path.isdir(parent):
                 raise argparse.ArgumentTypeError(
                     f"the parent directory {parent} of {text} does not exist")
+            if not os.path.exists(path):
+                _can_create(text, path)
         return path
 
     parse.__name__ = "directory"

@@ -207,7 +207,7 @@ _USAGE_ERRORS = [  # argv, what the one line says
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "inf"],
      "--rdzv-last-call: expected a number >= 0"),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-timeout", "1e-9"],
-     "--rdzv-timeout: expected a number >= 1"),
+     "--rdzv_timeout: expected a number >= 1"),  # argparse names the option with its alias
     (["--timeout", "nan"], "--timeout: expected a number > 0"),
     (["--hang-timeout", "inf"], "--hang-timeout: expected a number > 0"),
     (["--init-timeout", "-1"], "--init-timeout: expected a number > 0"),
@@ -300,10 +300,13 @@ def test_stalled_unauthenticated_calls_do_not_silence_the_rendezvous_store(token
      "JAXDIST_MEMORY_TIER=0 cannot be used with --nnodes"),
     ({"JAXDIST_MEMORY_TIER": "maybe"}, [], "JAXDIST_MEMORY_TIER='maybe': expected 1"),
     ({"JAXDIST_STATE_DIR": "FILE"}, [], "is a file, not a directory"),
-], ids=["tier-off-elastic", "tier-maybe", "state-dir-file"])
+    ({"JAXDIST_RDZV_TOKEN": "tökën"}, ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "JAXDIST_RDZV_TOKEN='tökën': expected printable ASCII characters"),
+], ids=["tier-off-elastic", "tier-maybe", "state-dir-file", "token-non-ascii"])
 def test_tier_settings_that_cannot_work_are_one_usage_line(env, argv, says, tmp_path, monkeypatch,
                                                            capsys):
-    # before: a traceback from the launcher (or, for 'maybe', the tier silently on)
+    # before: a traceback from the launcher (or, for 'maybe', the tier silently on; a non-ASCII
+    # token failed every rendezvous call with "INTERNAL: Invalid metadata")
     (tmp_path / "file").write_text("")
     for name, value in env.items():
         monkeypatch.setenv(name, str(tmp_path / "file") if value == "FILE" else value)
@@ -353,7 +356,8 @@ def test_a_gpu_count_past_any_host_is_one_line_not_a_huge_list():
 @pytest.mark.parametrize("argv, says", [
     (["train", "--seed", str(2 ** 64)], "--seed: expected a whole number from 0 to"),
     (["train", "--steps-per-execution", "1" + "0" * 20], "--steps-per-execution: expected a whole"),
-], ids=["seed-2**64", "steps-per-execution-1e20"])
+    (["train", "--tensorboard", "/proc/nope"], "/proc/nope: cannot create a directory there"),
+], ids=["seed-2**64", "steps-per-execution-1e20", "tensorboard-proc"])
 def test_train_options_past_any_use_are_one_usage_line(argv, says, capsys):
     # before: taken, then a traceback (OverflowError from the seed) or a huge padded group
     from jaxdist import cli
@@ -362,3 +366,124 @@ def test_train_options_past_any_use_are_one_usage_line(argv, says, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_damaged_metadata_in_the_newest_backup_is_skipped_and_moved_aside_on_the_next_save(
+        tmp_path, caplog):
+    # before: the resume fell back to step 4, then the save of step 8 failed on every restart
+    # (StepAlreadyExistsError: step 8 listed as restorable, but not)
+    import logging
+
+    import jax
+
+    import jaxdist
+    from jaxdist import models
+
+    x, y = jaxdist.datasets.synthetic(40, shape=(6,))
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(epochs):
+        init = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0)
+        cb = jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"), delete_checkpoint=False)
+        h = jaxdist.fit(s.step(models.classifier_train_step), init, s.distribute((x, y), 10),
+                        epochs=epochs, callbacks=[cb], verbose=0)
+        return h, cb
+
+    run(2)  # backups at steps 4 and 8
+    meta = tmp_path / "b" / "8" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"step": 8', '"step": 9'))
+    caplog.set_level(logging.WARNING, logger="jaxdist.checkpoint")
+    history, cb = run(3)
+    assert cb.restored_step == 4 and int(history.state.step) == 12
+    moved = [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("damaged-step-8-")]
+    assert len(moved) == 1 and "moved damaged checkpoint step 8 aside to" in caplog.text
+    assert cb.manager.all_steps() == [8, 12] and cb.manager.metadata(8)["step"] == 8
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -0.1, "0.1"])
+def test_a_parameter_server_refuses_a_learning_rate_it_cannot_use_at_init(rate):
+    # before: taken at Init; one push later the shard was NaN (or climbing, for a negative rate)
+    from jaxdist.ps import ServerConfig, wire
+    from jaxdist.ps.server import PushRejected
+    from jaxdist.ps.transport import PSService
+
+    service = PSService(0)
+    config = ServerConfig().to_dict()
+    del config["checkpoint_dir"]
+    import numpy as np
+
+    request = wire.encode({"index": 0, "config": config, "optimizer": {
+        "name": "sgd", "kwargs": {"learning_rate": rate}}}, {"w": np.zeros(2, np.float32)})
+    with pytest.raises(PushRejected, match=re.escape(f"learning_rate={rate!r}")):
+        service.init(request)
+    assert service.server is None
+
+
+def test_a_backup_directory_that_is_a_file_is_one_line_at_once(tmp_path):
+    # before: taken, then an Orbax traceback at the first restore or save
+    from jaxdist.callbacks import BackupAndRestore
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"^checkpoint directory '.*file' is a file, not a dir"):
+        BackupAndRestore(str(tmp_path / "file"))
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_rendezvous_endpoint_in_brackets_binds_and_the_job_runs(tmp_path):
+    # before: the agent bound "::1:PORT" (no brackets), which gRPC cannot parse: the store never
+    # came up and every call ran into its deadline
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('coordinator', os.environ['JAXDIST_COORDINATOR'])\n")
+    port = launch.free_ports(1)[0]
+    result = launch.run([str(script)], num_processes=2, timeout_s=90, nnodes=(1, 1),
+                        rdzv_endpoint=f"[::1]:{port}", rdzv_timeout_s=20,
+                        env=_env())
+    assert result.returncode == 0, result.output
+    assert f"serving the rendezvous store on [::1]:{port}" in result.output, result.output
+    assert len(re.findall(r"\[\d\] coordinator \[::1\]:\d+", result.output)) == 2, result.output
+
+
+def test_an_endpoint_host_that_does_not_resolve_is_one_line(tmp_path, capsys):
+    # before: a RendezvousError traceback (DEADLINE_EXCEEDED) that never named the host
+    code = launch.main(["-n", "1", "--nnodes", "1", "--rdzv-endpoint", "nosuchhost.invalid:29400",
+                        "--rdzv-timeout", "1", str(tmp_path / "x.py")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert "--rdzv-endpoint host 'nosuchhost.invalid' does not resolve" in err, err
+
+
+def test_steps_per_execution_past_the_epoch_is_capped_at_the_epochs_steps():
+    # before: the one group of an 8-batch epoch was padded to K batches (K=40000: 2.4 GB for
+    # the model); the numbers were the same, the memory was not
+    import jax
+    import numpy as np
+
+    import jaxdist
+
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    data = s.distribute(x, 8)  # 8 batches per epoch
+    groups = list(data.iterator(group_size=40000))
+    assert len(groups) == 1 and groups[0].batches.data.shape == (8, 8, 3)
+    assert len(groups[0].num_real) == 8
+    assert list(data.iterator(group_size=40000, steps=3))[0].batches.data.shape[0] == 3
+
+    def step(total, batch):
+        part = (batch.data * batch.mask[:, None]).sum()
+        return total + part, {"sum": part}
+
+    one = jaxdist.fit(s.step(step), np.float32(0.0), data, epochs=2, verbose=0)
+    many = jaxdist.fit(s.step(step), np.float32(0.0), data, epochs=2, verbose=0,
+                       steps_per_execution=40000)
+    assert float(many.state) == float(one.state) == 2 * float(x.sum())

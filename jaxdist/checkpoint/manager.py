@@ -272,6 +272,10 @@ class CheckpointManager:
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode={best_mode!r}; expected 'min' or 'max'")
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            # else Orbax fails at the first save or restore, deep in a traceback
+            raise ValueError(f"checkpoint directory {os.fspath(directory)!r} is a file, not a "
+                             "directory; pass a directory (it is created if missing)")
         self.best_metric = best_metric
         self.verify = verify
         self._async = async_save
@@ -291,6 +295,7 @@ class CheckpointManager:
         self._pending: int | None = None  # the step an async save is writing
         self._failed = False
         self._owner: weakref.finalize | None = None  # this job's claim on the directory
+        self._damaged: set[int] = set()  # steps a restore skipped as unreadable or corrupt
 
     def save(self, step: int, state: PyTree, *, data_iterator: Any = None,
              data_state: dict | None = None, metadata: dict | None = None,
@@ -317,6 +322,8 @@ class CheckpointManager:
         """
         if self._owner is None:
             self._take_ownership()
+        if int(step) in self._damaged:
+            self._move_aside(int(step))
         if has_per_replica(state):
             raise TypeError(
                 "CheckpointManager.save got per-replica values (the state returned by strategy.run); "
@@ -361,6 +368,29 @@ class CheckpointManager:
         # released on close(), or when this manager is garbage-collected
         self._owner = weakref.finalize(self, _release, self.directory) if \
             jax.process_index() == 0 else weakref.finalize(self, lambda: None)
+
+    def _move_aside(self, step: int) -> None:
+        """Renames damaged step ``step`` out of the way of a new save of the same step.
+
+        A resume that fell back past it retrains to that step; Orbax would refuse the save
+        (``StepAlreadyExistsError``) on every restart. Kept, not deleted: it may be inspected.
+        """
+        self._damaged.discard(step)
+        name = self._names.build_name(step)
+        src = os.path.join(self.directory, name)
+        dst = os.path.join(self.directory, f"damaged-step-{name}-{int(time.time())}")
+        error = None
+        if jax.process_index() == 0 and os.path.isdir(src):
+            try:
+                os.rename(src, dst)
+                logger.warning("moved damaged checkpoint step %d aside to %s before saving "
+                               "step %d again", step, dst, step)
+            except OSError as e:
+                error = e
+        if not _all_agree(error is None):  # every process waits for the rename
+            raise CheckpointError(f"damaged checkpoint step {step} in {self.directory} could not be "
+                                  f"moved aside ({error or 'on process 0'}); remove {src} and rerun")
+        self._mgr.reload()
 
     @contextlib.contextmanager
     def _failures(self, what: str):
@@ -493,6 +523,7 @@ class CheckpointManager:
                 raise  # the step is intact; an older one would not fit the target either
             except CheckpointError as e:
                 errors.append(f"step {step}: {e}")
+                self._damaged.add(step)  # a save of this step again moves it aside first
                 logger.warning("skipping checkpoint step %d, falling back to an older one: %s",
                                step, e)
                 continue

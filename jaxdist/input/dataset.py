@@ -271,7 +271,8 @@ class DistributedDataset:
           epoch, position: where to start (``iterator(**it.state())`` resumes ``it``).
           group_size: with ``K``, yield ``Group`` values instead of batches: ``K`` consecutive
             batches stacked on a new leading axis (fewer real ones at the epoch's end), what one
-            compiled call of ``K`` steps takes (``fit(..., steps_per_execution=K)``).
+            compiled call of ``K`` steps takes (``fit(..., steps_per_execution=K)``). For
+            in-memory data, ``K`` past the epoch's batches (or ``steps``) is capped there.
           steps: hand out at most this many batches (the epoch may end sooner); none is made
             past them.
 
@@ -282,6 +283,12 @@ class DistributedDataset:
             if value is not None and (isinstance(value, bool) or not isinstance(
                     value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if group_size is not None and self._arrays is not None:
+            # A group is padded to group_size batches: K=40000 on an 8-batch epoch stacked
+            # 2.4 GB. A group never holds more than the epoch's batches (nor `steps`), so capping
+            # there changes no number, and the size stays the same from epoch to epoch (one
+            # compilation). An iterable dataset's length is not known: it is not capped.
+            group_size = max(1, min(int(group_size), len(self), steps or len(self)))
         return DistributedIterator(self, epoch, position, group_size, steps)
 
     # --- producing host batches -------------------------------------------------------------------

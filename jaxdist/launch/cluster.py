@@ -82,6 +82,15 @@ def split_address(address: Any) -> tuple[str, int]:
     return host, int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """``split_address``'s inverse: "host:port", an IPv6 host in brackets (as gRPC binds it).
+
+    >>> join_address("::1", 29400), join_address("head-node", 29400)
+    ('[::1]:29400', 'head-node:29400')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _fail(field: str, value: Any, problem: str, fix: str) -> ValueError:
     return ValueError(f"{field} = {value!r}: {problem}. Fix: {fix}.")
 

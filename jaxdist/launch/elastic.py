@@ -44,7 +44,7 @@ from typing import Any
 from jaxdist.launch import _tierfiles
 from jaxdist.launch._procs import describe_exit, free_ports
 from jaxdist.launch._tierfiles import stop_path, write_stop
-from jaxdist.launch.cluster import ClusterSpec, split_address
+from jaxdist.launch.cluster import ClusterSpec, join_address, split_address
 from jaxdist.launch.hang import HangDetector, waited_for
 from jaxdist.launch.heartbeat import heartbeat_path
 from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, probe, serve
@@ -58,11 +58,28 @@ _DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
 def _local_address(host: str, port: int) -> str:
     """This host's address as seen on the way to the rendezvous endpoint."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_DGRAM) as s:
             s.connect((host, port))
             return s.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> None:
+    """Waits up to ``timeout_s`` for the endpoint's host name to resolve (a cluster's DNS name
+    for the head may appear only once it is up), else one ``RendezvousError`` naming it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            return
+        except (socket.gaierror, UnicodeError) as e:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"--rdzv-endpoint host {host!r} does not resolve ({e}) within {timeout_s:g} s"
+                    f"; give the rendezvous host's name or address as every host sees it") from None
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
 
 class Agent:
@@ -81,7 +98,8 @@ class Agent:
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}-{os.getpid()}-{secrets.token_hex(2)}"
         host, port = split_address(endpoint)
-        self.server = serve(f"{host}:{port}", own_job=rdzv_id)
+        _resolve(host, port, rdzv_timeout_s)
+        self.server = serve(join_address(host, port), own_job=rdzv_id)
         self.rdzv_id, self._rdzv_port = rdzv_id, port
         self.store = RendezvousClient(endpoint, rdzv_id)
         self.addr = _local_address(host, port)
@@ -324,7 +342,7 @@ class Agent:
         first = sum(info["nproc"] for _, info in members[:index])
         world = sum(info["nproc"] for _, info in members)
         lead = members[0][1]
-        coordinator = f"{lead['addr']}:{lead['port']}"
+        coordinator = join_address(lead["addr"], lead["port"])
         ids = [k for k, _ in members]
         self.say(f"round {n}: {len(members)} host(s) {[m['host'] for _, m in members]}, "
                  f"ranks {first}..{first + self.nproc - 1} of {world}, coordinator "
@@ -526,7 +544,7 @@ class Agent:
         for k, info in self._members:
             if k == self._server_id:
                 continue
-            address = f"{info['addr']}:{self._rdzv_port}"
+            address = join_address(info["addr"], self._rdzv_port)
             if k == self.id:
                 self.server = serve(address, own_job=self.rdzv_id)
                 if self.server is None:

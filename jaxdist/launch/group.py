@@ -203,6 +203,11 @@ class _Launcher:
         if self._tier and given and os.path.exists(given) and not os.path.isdir(given):
             raise ValueError(f"{ENV_STATE_DIR}={given!r} is a file, not a directory: point it at "
                              "a directory (a kept state, say) or unset it")
+        token = self._env.get("JAXDIST_RDZV_TOKEN")
+        if options.nnodes is not None and token and not (token.isascii() and token.isprintable()):
+            # gRPC sends it as a header: anything else failed every call ("Invalid metadata")
+            raise ValueError(f"JAXDIST_RDZV_TOKEN={token!r}: expected printable ASCII characters "
+                             "(e.g. the output of `openssl rand -hex 16`), the same on every host")
 
     def say(self, message: str) -> None:
         # On its own line: after a rank's progress bar (a line ended by "\r") the terminal's

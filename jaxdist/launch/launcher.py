@@ -343,8 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     launcher.subreaper = reaper.become_subreaper()
     previous = {sig: signal.signal(sig, lambda signum, _: launcher.request_stop(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
+    from jaxdist.launch.rendezvous import RendezvousError  # grpc: only once a job runs
+
     try:
         return launcher.run()
+    except RendezvousError as e:  # its message names the problem and the fix: no traceback
+        print(f"jaxdist launch: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

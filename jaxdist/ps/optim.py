@@ -8,6 +8,7 @@ element independently, which keeps a leaf partitioned across servers exact.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,14 @@ class OptimizerSpec:
             if not isinstance(key, str) or not isinstance(value, _SCALARS):
                 raise ValueError(f"optimizer argument {key!r}={value!r} must be a scalar "
                                  "(int, float, bool, str or None) to travel to the servers")
+            # A NaN (or inf) rate is taken by optax and turns the whole shard NaN one push
+            # later; a server refuses it at Init (this runs there, on the spec it received).
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and not math.isfinite(value):
+                raise ValueError(f"optimizer argument {key}={value!r}: expected a finite number")
+            if key == "learning_rate" and (not number or value < 0):
+                raise ValueError(f"optimizer argument learning_rate={value!r}: expected a finite "
+                                 "number >= 0")
 
     def build(self) -> optax.GradientTransformation:
         return getattr(optax, self.name)(**dict(self.kwargs))
