@@ -557,10 +557,12 @@ def _splitter(num_leaves: int, size: int, stacked: Any, each: Any) -> Callable:
     return jax.jit(split, in_shardings=(stacked,) * num_leaves, out_shardings=each)
 
 
+@functools.lru_cache(maxsize=64)
 def _gatherer(split: int, arrays_on: Any, idx_on: Any, out_on: Any) -> Callable:
     """``arrays[idx]`` for every leaf, compiled: the arrays replicated and the indices laid out like
     the batch, so that each device gathers its own rows from its own copy (no collective). With
-    ``split``, a stack ``(split, rows)`` of indices gives ``split`` batches (a list)."""
+    ``split``, a stack ``(split, rows)`` of indices gives ``split`` batches (a list). One function
+    per layout, shared by every dataset: a new dataset of the same shapes compiles nothing."""
     def take(arrays, idx):
         # The host made idx from the arrays' own row count: every index is in range.
         return jax.tree.map(lambda a: a.at[idx].get(mode="promise_in_bounds"), arrays)
