@@ -58,7 +58,9 @@ def test_a_frozen_store_host_does_not_cost_the_finished_state(tmp_path, referenc
     hosts = Hosts(tmp_path, nnodes="2:4", last_call=1)
     for _ in range(3):
         hosts.start(train=["--epochs", "4", "--sleep", "0.4"])
-    hosts.wait_for(0, r"\[0\] trained step 4 ")
+    # Every host in the round first: the first round closes as soon as two have registered (the
+    # store's agent registered before the others started), so a third can come in a round later.
+    _wait_after(hosts, r"round \d+: 3 host\(s\)", r"\[0\] trained step \d+ ")
     hosts.agents[0].send_signal(signal.SIGSTOP)  # the store's agent (its processes go on)
     try:
         hosts.wait_for(1, r"the rendezvous store is silent; this host's processes go on")
@@ -70,6 +72,20 @@ def test_a_frozen_store_host_does_not_cost_the_finished_state(tmp_path, referenc
     assert not list((tmp_path / "backup").glob("*tmp*")), list((tmp_path / "backup").iterdir())
     assert CheckpointManager(tmp_path / "backup").latest_step() == 32
     _check_final(hosts, reference)
+
+
+def _wait_after(hosts, first, then, steps=1, timeout=240):
+    """Waits for ``first`` in agent 0's log, then for ``steps`` lines matching ``then`` after it;
+    returns ``first``'s first group as an int (or None)."""
+    hosts.wait_for(0, first, timeout=timeout)
+    text = hosts.text(0)
+    found = re.search(first, text)
+    end = time.monotonic() + timeout
+    while len(re.findall(then, hosts.text(0)[found.end():])) < steps:
+        assert time.monotonic() < end, hosts.text()[-4000:]
+        assert hosts.agents[0].poll() is None, hosts.text(0)[-4000:]
+        time.sleep(0.05)
+    return int(found.group(1)) if found.groups() else None
 
 
 def _check_final(hosts, reference):
@@ -100,15 +116,15 @@ def test_a_minority_of_the_last_round_does_not_go_on_alone(tmp_path):
     hosts = Hosts(tmp_path, nnodes="2:4", last_call=1, rdzv_timeout=8)
     for _ in range(4):
         hosts.start()
-    hosts.wait_for(0, r"round 0: 4 host\(s\)")
-    hosts.wait_for(0, r"\[0\] trained step 6 ")
+    # all four in one round (see test_a_frozen_store_host_does_not_cost_the_finished_state)
+    full = _wait_after(hosts, r"round (\d+): 4 host\(s\)", r"\[0\] trained step \d+ ", steps=2)
     hosts.agents[0].kill()  # the store's host and one more: 2 of 4 left, without the store
     hosts.agents[1].kill()
     codes = hosts.finish()
     assert codes[2:] == [1, 1], hosts.text()
     assert re.search(r"only 2 of the last round's 4 host\(s\) are here: a network partition "
                      r"may be splitting the job", hosts.text(2) + hosts.text(3)), hosts.text()
-    assert "round 1:" not in hosts.text(2) + hosts.text(3)
+    assert f"round {full + 1}:" not in hosts.text(2) + hosts.text(3)
 
 
 def test_a_rank_stuck_on_another_host_is_named_by_every_host(tmp_path, reference):

@@ -81,7 +81,8 @@ strategy = jaxdist.MultiWorkerMirroredStrategy(zero_stage=args.zero_stage)
 (x, y), _ = jaxdist.datasets.digits()
 x, y = x[:700], y[:700]
 state = models.create_train_state(models.MLP(hidden=(args.hidden,)), x[:1], seed=1)
-backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000)
+# The tests read the backup after the job (its last step, no temporary folder left): kept.
+backup = jaxdist.callbacks.BackupAndRestore(args.backup, every_n_steps=1000, delete_checkpoint=False)
 history = jaxdist.fit(strategy.step(models.classifier_train_step), state,
                       strategy.distribute((x, y), 96, shuffle=True, seed=5),
                       epochs=args.epochs, callbacks=[Report(), backup, Fault()], verbose=0,
