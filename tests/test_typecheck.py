@@ -13,8 +13,11 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mypy") is None,
-                                reason="mypy is not installed (pip install -e '.[test]' installs it)")
+# slow: .ci/run's floor leg runs it (and mypy itself); the newest-JAX leg would check the code
+# against another JAX's annotations, which the pinned floor is the reference for.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("mypy") is None,
+                                 reason="mypy is not installed (pip install -e '.[test]' installs it)")]
 
 CONFIG = os.path.join(REPO, "pyproject.toml")
 
