@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return launcher.run()
     except RendezvousError as e:  # its message names the problem and the fix: no traceback
-        print(f"jaxdist launch: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"jaxdist launch: error: {e}\n")
+        sys.stderr.flush()
         return 1
     finally:
         for sig, handler in previous.items():
