@@ -3,24 +3,14 @@
 before it, and the job resumes from memory every time (``jaxdist launch -n 2``, fit +
 BackupAndRestore, a 0.9 MB state as in the report that found the bound exceeded)."""
 
-import os
-import pathlib
 import re
 
 import pytest
 
 from jaxdist import launch
+from tests.test_elastic import SCRIPT, _env  # the same job and environment
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "tests" / "_mp_scripts" / "ft_train.py")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for name in ("TF_CONFIG", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS"):
-        env.pop(name, None)
-    return env
 
 
 def _kills(output: str) -> list[tuple[int, int | None, int, str]]:
