@@ -305,6 +305,7 @@ class BackupAndRestore(ModelCheckpoint):
         self._notice = _PreemptionNotice()
         self.restored_step: int | None = None
         self.restored_from: str | None = None
+        self.memory_step: int | None = None  # the in-memory tier's newest step at the start
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier={memory_tier!r}: expected jaxdist.callbacks.MemoryTier("
                             "every=..., budget=..., enabled=...)")
@@ -325,6 +326,7 @@ class BackupAndRestore(ModelCheckpoint):
     def _resume(self, info: TrainInfo) -> Resume | None:
         snap = self.memory.resume(info.state, info.strategy)
         disk = self.manager.latest_step()
+        self.memory_step = snap.step if snap is not None else None
         if snap is not None and (disk is None or snap.step >= disk):
             data = snap.data_state or {}
             self.restored_step, self.restored_from = snap.step, "memory"
@@ -342,6 +344,9 @@ class BackupAndRestore(ModelCheckpoint):
         resume = Resume(state=state, step=meta["step"], epoch=data.get("epoch", info.epoch),
                         position=data.get("position", 0), source=step)
         self.restored_step, self.restored_from = step, "backup"
+        if snap is not None:
+            logger.info("the in-memory tier's newest step (%d) is older than backup step %d: "
+                        "resuming from the backup", snap.step, step)
         logger.info("restored backup step %d (epoch %d, batch %d)", step, resume.epoch,
                     resume.position)
         return resume

@@ -53,7 +53,7 @@ class Report(jaxdist.callbacks.Callback):
         if me == 0 and not self.started:
             self.started = True
             print(f"attempt {attempt} started from {backup.restored_from} step "
-                  f"{backup.restored_step}", flush=True)
+                  f"{backup.restored_step} (memory {backup.memory_step})", flush=True)
         if me == 0:
             print(f"trained step {info.step} epoch {info.epoch} position {info.position}",
                   flush=True)
@@ -61,8 +61,10 @@ class Report(jaxdist.callbacks.Callback):
 
 class Fault(jaxdist.callbacks.Callback):
     def on_train_batch_end(self, info):
-        if args.fault == "raise" and me == args.rank and info.step == at[0]:
-            raise ValueError(f"rank {me} found bad data after step {info.step}")
+        # A fault that comes back: every step from at[0] on raises (a restart may resume at
+        # at[0] itself when the in-memory tier wrote that step before the raise reached it).
+        if args.fault == "raise" and me == args.rank and info.step >= at[0]:
+            raise ValueError(f"rank {me} found bad data (every batch from step {at[0]} on)")
         if (attempt < len(at) and me == args.rank and info.step >= at[attempt]
                 and args.fault not in ("none", "raise")):
             jax.block_until_ready(info.state)
