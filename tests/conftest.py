@@ -60,3 +60,11 @@ def digits():
 @pytest.fixture
 def devices():
     return jax.devices()
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory):
+    """The elastic tests' uninterrupted job, run once for every module that compares with it."""
+    from tests.test_elastic_multihost import reference_run
+
+    return reference_run(tmp_path_factory)

@@ -35,8 +35,9 @@ def _params(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The job uninterrupted (2 processes, 4 epochs): rank 0's steps and the final parameters. One
+    run serves this module and test_elastic_faults.py (conftest.py's ``elastic_reference``)."""
     tmp = tmp_path_factory.mktemp("ref")
     result = launch.run([SCRIPT, str(tmp / "ref.npz"), str(tmp / "b"), "--epochs", "4"],
                         num_processes=2, devices_per_process=2, timeout_s=240, env=_env())
@@ -44,6 +45,11 @@ def reference(tmp_path_factory):
     steps = [tuple(map(int, m)) for m in re.findall(
         r"^\[0\] trained step (\d+) epoch (\d+) position (\d+)$", result.output, re.M)]
     return steps, _params(tmp / "ref.npz")
+
+
+@pytest.fixture
+def reference(elastic_reference):
+    return elastic_reference
 
 
 class Hosts:
