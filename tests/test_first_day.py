@@ -13,6 +13,7 @@ import pytest
 
 import jaxdist
 from jaxdist import launch, models
+from jaxdist.checkpoint import CheckpointManager
 from tests.conftest import REPO, run_python
 
 ENV = {"PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
@@ -113,6 +114,35 @@ def test_a_backup_is_deleted_after_success_and_a_kept_final_state_says_so(tmp_pa
     assert final.epochs == [] and int(final.state.step) == 8
     with pytest.raises(KeyError, match="fit trained no epoch.*restored the final state"):
         final.history["loss"]
+
+
+def test_a_successful_run_removes_only_what_the_backup_wrote(tmp_path, caplog):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "labels").mkdir()
+    (out / "labels" / "a.csv").write_text("1,2")
+    # checkpoints the user keeps there, written by another callback
+    with CheckpointManager(out / "best", async_save=False) as mgr:
+        mgr.save(100, _state(x))
+    caplog.set_level(logging.INFO, logger="jaxdist")
+    first = jaxdist.fit(s.step(models.classifier_train_step), _state(x), s.distribute((x, y), 10),
+                        epochs=1, verbose=0, callbacks=[jaxdist.callbacks.BackupAndRestore(
+                            str(out), every_n_steps=3)])
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "labels" / "a.csv").read_text() == "1,2"
+    assert sorted(p.name for p in out.iterdir()) == ["best", "labels", "notes.txt"]
+    assert (out / "best" / "100" / "state").is_dir()
+    assert "the folder stays: it holds 3 thing(s) the backup did not write" in caplog.text
+    assert int(first.state.step) == 8
+
+
+@pytest.mark.parametrize("where", [".", "", "~", "..", "/"])
+def test_a_backup_folder_that_holds_the_users_work_is_refused(where):
+    with pytest.raises(ValueError, match="a backup needs a folder of its own"):
+        jaxdist.callbacks.BackupAndRestore(os.path.expanduser(where))
 
 
 def test_fit_takes_keras_validation_data(digits):

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 
 import jax
 
@@ -190,7 +192,7 @@ class ModelCheckpoint(Callback):
                    if self._keep_best and self.monitor in cand.logs else None)
         self.manager.save(step, info.state, data_state=data, metrics=metrics,
                           metadata={"logs": dict(cand.logs), "epoch": info.epoch,
-                                    "epoch_end": epoch_done})
+                                    "epoch_end": epoch_done, "writer": type(self).__name__})
         self._last_saved = step
         self.saved.append(cand)
 
@@ -218,6 +220,66 @@ class ModelCheckpoint(Callback):
 
             # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
             mark_final(self.manager.directory, self._last_saved)
+
+
+def _refuse_shared_folder(directory: str) -> None:
+    """Raises when ``directory`` is a folder a backup must not own (its cleanup would sit among
+    the user's own files): the working directory, the home directory, or any folder holding the
+    working directory or the running script."""
+    if "://" in str(directory):
+        return
+    path = os.path.realpath(os.fspath(directory) or ".")
+    cwd = os.path.realpath(os.getcwd())
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    places = [("the working directory", cwd), ("the home directory",
+                                               os.path.realpath(os.path.expanduser("~")))]
+    if script and os.path.exists(script):
+        places.append(("the folder of the running script", os.path.dirname(os.path.realpath(script))))
+    for what, place in places:
+        if place == path or place.startswith(path.rstrip(os.sep) + os.sep):
+            how = "is" if place == path else "holds"
+            raise ValueError(
+                f"BackupAndRestore({os.fspath(directory)!r}): that folder ({path}) {how} {what}; "
+                "a backup needs a folder of its own, e.g. BackupAndRestore('backup') or "
+                "os.path.join(out_dir, 'backup')")
+
+
+def remove_backup(manager, ours: set) -> None:
+    """Removes what a ``BackupAndRestore`` wrote to ``manager.directory``, and nothing else.
+
+    Removed: complete step folders whose metadata names ``BackupAndRestore`` as their writer or
+    whose step is in ``ours`` (saved or restored by this run), Orbax's temporary folders, the
+    owner lock and the final-step marker. Anything else (the user's files, a step another
+    callback wrote, a damaged step moved aside) stays, and so does the folder then, in one log
+    line naming what is left.
+    """
+    import shutil
+
+    from jaxdist.checkpoint.evaluator import FINAL_MARKER
+    from jaxdist.checkpoint.manager import OWNER_FILE
+
+    directory = manager.directory
+    for step in manager.all_steps():
+        try:
+            writer = (manager.metadata(step).get("user") or {}).get("writer")
+        except Exception:  # noqa: BLE001 - unreadable: not provably ours, kept
+            writer = None
+        if writer == "BackupAndRestore" or step in ours:
+            shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    for name in names:
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        elif name in (OWNER_FILE, FINAL_MARKER):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+    left = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if left:
+        logger.info("backup removed from %s; the folder stays: it holds %d thing(s) the backup did "
+                    "not write (%s)", directory, len(left), ", ".join(left[:5]))
+    else:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 _FINISH_S = 120.0  # how long an ending fit waits for a save in flight (its peers may be gone)
@@ -281,12 +343,18 @@ class BackupAndRestore(ModelCheckpoint):
       every_n_steps: backup period in steps (None: epoch ends only).
       delete_checkpoint: remove the backups when ``fit`` completes (Keras's name and default), so
         that running the same script again trains again; ``False`` keeps them (a rerun then
-        restores the final state and says there is nothing left to train).
+        restores the final state and says there is nothing left to train). Only what the
+        callback wrote is removed (its step folders, Orbax's temporary folders, its marker
+        files); the folder itself goes only when nothing else is left in it.
       delete_on_success: the older name of ``delete_checkpoint`` (it wins when given).
       preemption_exit_code: exit status after a preemption save.
       memory_tier: how often the in-memory tier copies (``jaxdist.callbacks.MemoryTier``:
         ``every``, ``budget``, ``enabled``); None: as the environment says
         (``JAXDIST_MEMORY_TIER``, ``..._EVERY``, ``..._BUDGET``; by default measured, 5%).
+
+    Raises:
+      ValueError: ``directory`` is the working directory, the home directory, or a folder that
+        holds the working directory or the running script (a backup needs a folder of its own).
 
     >>> import tempfile
     >>> b = BackupAndRestore(tempfile.mkdtemp(), memory_tier=MemoryTier(every=2))
@@ -297,6 +365,7 @@ class BackupAndRestore(ModelCheckpoint):
     def __init__(self, directory: str, *, every_n_steps: int | None = None,
                  delete_checkpoint: bool = True, delete_on_success: bool | None = None,
                  preemption_exit_code: int = 0, memory_tier: MemoryTier | None = None):
+        _refuse_shared_folder(directory)
         super().__init__(directory, every_n_steps=every_n_steps, max_to_keep=2)
         self.policy = AnyOf(*([EveryNSteps(every_n_steps)] if every_n_steps else []),
                             EveryNEpochs())
@@ -382,11 +451,9 @@ class BackupAndRestore(ModelCheckpoint):
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)
         if self._delete and jax.process_index() == 0:
-            import shutil
-
             # Keras's default: the run is complete, so a rerun starts afresh rather than restore
-            # a final state and train nothing.
-            shutil.rmtree(self.manager.directory, ignore_errors=True)
+            # a final state and train nothing. Unlike Keras, only what this callback wrote goes.
+            remove_backup(self.manager, ours={c.step for c in self.saved} | {self.restored_step})
 
     def close(self) -> None:
         try:

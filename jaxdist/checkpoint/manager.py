@@ -418,6 +418,10 @@ class CheckpointManager:
                 f"still restorable: {self.all_steps() or 'none'}. Check free space and "
                 f"permissions in {self.directory}") from e
 
+    def step_name(self, step: int) -> str:
+        """The name of step ``step``'s folder inside ``directory``."""
+        return self._names.build_name(step)
+
     def reload(self) -> None:
         """Re-reads the directory (steps another process wrote since this manager was made)."""
         self._mgr.reload()
