@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.launch import _owned, _placement, _slots, _tierfiles, reaper
+from jaxdist.launch import _owned, _placement, _slots, _tierfiles, compile_cache, reaper
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
     ENV_COORDINATOR,
@@ -345,13 +345,20 @@ class _Launcher:
             if step is not None:
                 env[ENV_LAST_FAILURE_STEP] = str(step)
         env.pop(ENV_STATE_DIR, None)
+        # A second run, and every restart, reads its compiled steps from the persistent cache
+        # (jaxdist.launch.compile_cache: on by default; the launcher's own environment may turn
+        # it off). The cache lives on disk, not in the tier's shared memory: a full /dev/shm must
+        # not leave truncated entries that every restart reads again.
+        cached = compile_cache.cache_env({**os.environ, **env})
+        env.update(cached)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
-            # Restarts skip compilation. The cache lives on disk, not in the tier's shared memory:
-            # a full /dev/shm must not leave truncated entries that every restart reads again.
-            env.setdefault("JAX_COMPILATION_CACHE_DIR", self._compile_cache())
-            env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-            env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+            if not cached and not env.get("JAX_COMPILATION_CACHE_DIR"):
+                # Cache turned off: restarts of this job still skip compilation (its own cache,
+                # removed with the job).
+                env["JAX_COMPILATION_CACHE_DIR"] = self._compile_cache()
+                env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+                env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
         if self._options.init_timeout_s is not None:
             env[ENV_INIT_TIMEOUT] = f"{self._options.init_timeout_s:g}"
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed

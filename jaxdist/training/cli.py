@@ -81,6 +81,10 @@ def add_parser(sub) -> None:
                    help="run K training steps per compiled call (Keras's steps_per_execution): "
                         "faster for small models, same numbers; callbacks run every K steps")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile from nothing (by default compiled steps are kept in "
+                        "~/.cache/jaxdist/xla, or $JAXDIST_COMPILE_CACHE, so a second run does "
+                        "not compile again)")
 
 
 def add_evaluate_parser(sub) -> None:
@@ -417,6 +421,10 @@ def train(args: argparse.Namespace) -> int:
     if args.devices is not None:
         # Only affects the CPU backend, so it is harmless when an accelerator is present.
         jax.config.update("jax_num_cpu_devices", args.devices)
+    if not args.no_compile_cache:
+        from jaxdist.launch import compile_cache
+
+        compile_cache.enable()  # before the first compilation
     from jaxdist.launch.cluster import cluster_from_environment
 
     try:

@@ -1,0 +1,129 @@
+"""The persistent compilation cache ``jaxdist train`` and ``jaxdist launch`` use by default.
+
+A second run of the same training (or a restarted process) reads its compiled steps from JAX's
+persistent compilation cache instead of compiling them again: ``jaxdist train --devices 8
+--epochs 1`` takes about half as long the second time on a 2-core CPU. Where it lives:
+
+- ``JAX_COMPILATION_CACHE_DIR``, when set, is JAX's own setting and wins;
+- else ``JAXDIST_COMPILE_CACHE``: a directory, or ``0`` / ``off`` to turn the cache off;
+- else ``$XDG_CACHE_HOME/jaxdist/xla`` (``~/.cache/jaxdist/xla``).
+
+Every compilation is cached (JAX's thresholds set to 0, unless already set), and the directory
+is capped at ``JAXDIST_COMPILE_CACHE_MAX_BYTES`` (default 2 GiB; JAX evicts the least recently
+used entries). Entries are keyed by the program, the devices and the JAX/XLA versions, so a
+cache shared by different jobs or versions never hands one the other's executable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+
+__all__ = ["ENV_CACHE", "ENV_CACHE_MAX_BYTES", "cache_dir", "cache_env", "enable"]
+
+ENV_CACHE = "JAXDIST_COMPILE_CACHE"
+ENV_CACHE_MAX_BYTES = "JAXDIST_COMPILE_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 << 30
+_OFF = ("0", "off", "false", "no", "none")
+
+
+def default_dir(environ: Mapping[str, str] | None = None) -> str:
+    """``$XDG_CACHE_HOME/jaxdist/xla``, or ``~/.cache/jaxdist/xla``."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxdist", "xla")
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cache directory the environment asks for, or None when it turns the cache off.
+
+    >>> cache_dir({"JAXDIST_COMPILE_CACHE": "off"}) is None
+    True
+    >>> cache_dir({"JAX_COMPILATION_CACHE_DIR": "/x", "JAXDIST_COMPILE_CACHE": "/y"})
+    '/x'
+    >>> cache_dir({"XDG_CACHE_HOME": "/c"})
+    '/c/jaxdist/xla'
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return environ["JAX_COMPILATION_CACHE_DIR"]
+    chosen = environ.get(ENV_CACHE, "").strip()
+    if chosen.lower() in _OFF:
+        return None
+    return os.path.expanduser(chosen) if chosen else default_dir(environ)
+
+
+def _max_bytes(environ: Mapping[str, str]) -> int:
+    text = environ.get(ENV_CACHE_MAX_BYTES, "").strip()
+    try:
+        value = int(float(text)) if text else DEFAULT_MAX_BYTES
+    except ValueError:
+        value = -1
+    if value < 1:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s=%r is not a positive number of bytes; using %d", ENV_CACHE_MAX_BYTES, text,
+            DEFAULT_MAX_BYTES)
+        return DEFAULT_MAX_BYTES
+    return value
+
+
+def _settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every JAX variable of the cache ``environ`` asks for ({} when off): ``environ``'s own
+    values where it has them, jaxdist's defaults elsewhere."""
+    where = cache_dir(environ)
+    if where is None:
+        return {}
+    wanted = {"JAX_COMPILATION_CACHE_DIR": where,
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    # JAX's size cap needs filelock (a dependency of jaxdist); without it JAX would fail at the
+    # first compilation, so the cache then goes uncapped rather than break the run.
+    if importlib.util.find_spec("filelock") is not None:
+        wanted["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_max_bytes(environ))
+    return {k: environ.get(k) or v for k, v in wanted.items()}
+
+
+def cache_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to add to ``environ`` to give a JAX process the cache it asks for ({} when
+    off); JAX's own settings already in ``environ`` are left as they are.
+
+    >>> sorted(cache_env({"JAXDIST_COMPILE_CACHE": "/c"}).items())  # doctest: +NORMALIZE_WHITESPACE
+    [('JAX_COMPILATION_CACHE_DIR', '/c'), ('JAX_COMPILATION_CACHE_MAX_SIZE', '2147483648'),
+     ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0'),
+     ('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')]
+    """
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in _settings(environ).items() if not environ.get(k)}
+
+
+def enable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Turns the cache on in this process (before its first compilation); returns its directory,
+    or None when the environment turns it off (or JAX cannot use it: said in the log)."""
+    import jax
+
+    environ = os.environ if environ is None else environ
+    settings = _settings(environ)
+    where = settings.get("JAX_COMPILATION_CACHE_DIR")
+    if where is None:
+        return None
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as e:
+        import logging
+
+        logging.getLogger(__name__).warning("no compilation cache: %s (%s); set %s to a writable "
+                                            "directory, or 0 to turn it off", where, e, ENV_CACHE)
+        return None
+    options = {"JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
+                   ("jax_persistent_cache_min_compile_time_secs", float),
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES":
+                   ("jax_persistent_cache_min_entry_size_bytes", int),
+               "JAX_COMPILATION_CACHE_MAX_SIZE": ("jax_compilation_cache_max_size", int)}
+    for var, value in settings.items():
+        option, kind = options[var]
+        jax.config.update(option, kind(value))
+    return where
