@@ -44,4 +44,4 @@ subprocess.Popen.__init__ = _with_cache  # type: ignore[method-assign]
 
 # A deprecated path's stub module warns when imported (a DeprecationWarning, an error in this
 # suite): the doctest collector must not import it. tests/test_layout.py imports every moved path.
-collect_ignore = ["jaxdist/launch/memstate.py"]
+collect_ignore = ["jaxdist/launch/memstate.py", "jaxdist/launch/slot_files.py"]

@@ -1,4 +1,4 @@
-"""How fast the in-memory tier persists a snapshot: ``jaxdist.launch._slots.write`` of one state
+"""How fast the in-memory tier persists a snapshot: ``jaxdist.checkpoint._slots.write`` of one state
 into a slot file, with 1 and with N writing threads (runs interleaved, medians).
 
     python benchmarks/slot_write.py [--mb 600] [--threads 1 2 4 8] [--reps 5] [--dir /dev/shm]
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxdist.launch import _slots  # noqa: E402
+from jaxdist.checkpoint import _slots  # noqa: E402
 
 
 def state(total_mb: int, arrays: int = 150) -> list:

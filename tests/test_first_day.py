@@ -215,7 +215,7 @@ def test_the_tier_line_is_said_once_on_its_own_line_and_again_only_when_a_bound_
     import io
     import json
 
-    from jaxdist.launch import _tierfiles, group
+    from jaxdist.launch import group, statedir
 
     shown = []
     launcher = group._Launcher(["train.py"], group._Options(num_processes=2),
@@ -229,9 +229,9 @@ def test_the_tier_line_is_said_once_on_its_own_line_and_again_only_when_a_bound_
     launcher._pump("0", "stderr", io.BufferedReader(io.BytesIO(b"1/7\r4/7\r")))
     assert launcher._open_line
     for step, (bound, bound_all) in enumerate([(2, 9), (3, 9), (2, 12), (3, 9), (2, 8), (6, 9)]):
-        with open(_tierfiles.tier_path(str(tmp_path), 0), "w") as f:
+        with open(statedir.tier_path(str(tmp_path), 0), "w") as f:
             json.dump({**info, "bound": bound, "bound_all": bound_all, "step": step}, f)
-        os.utime(_tierfiles.tier_path(str(tmp_path), 0), (step + 1, step + 1))
+        os.utime(statedir.tier_path(str(tmp_path), 0), (step + 1, step + 1))
         launcher.announce_tier()
     said = [s for s in shown if b"in-memory tier" in s]
     assert len(said) == 2, said  # first known, then when the bound tripled (2 -> 6)

@@ -123,7 +123,7 @@ def test_a_kept_state_directory_is_not_resumed_by_another_job(tmp_path, monkeypa
     assert other.restored_from is None
     assert "belongs to another job" in caplog.text, caplog.text
     # and the other job's snapshots are left as they were (the tier is off for this run)
-    import jaxdist.launch._slots as slots
+    import jaxdist.checkpoint._slots as slots
 
     steps = [h["step"] for _, _, h in slots.slots(str(state_dir))]
     assert max(steps) >= 4, steps
@@ -134,7 +134,7 @@ def test_a_full_state_directory_never_takes_the_launcher_down(tmp_path, monkeypa
     # (ENOSPC) out of the launcher, which died without restarting the job
     import errno
 
-    from jaxdist.launch import _tierfiles, group
+    from jaxdist.launch import group, statedir
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", path)
@@ -145,7 +145,7 @@ def test_a_full_state_directory_never_takes_the_launcher_down(tmp_path, monkeypa
     launcher._state_dir = str(tmp_path)
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "flush-watch").write_text("1")
-    monkeypatch.setattr(_tierfiles, "write_atomic", full)
+    monkeypatch.setattr(statedir, "write_atomic", full)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         launcher.flush_survivors({0: proc})

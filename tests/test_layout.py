@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -24,7 +25,8 @@ PKG = os.path.join(REPO, "jaxdist")
 ALLOWED = {
     "core": set(),
     "input": {"core"},
-    "launch": {"core", "_output", "_version", "_compat"},  # _compat: the launch.memstate stub
+    "launch": {"core", "_output", "_version", "_compat"},  # _compat: the launch.memstate and
+    # launch.slot_files stubs
     "strategy": {"core", "input", "launch"},
     "checkpoint": {"core", "strategy", "launch"},
     "callbacks": {"core", "checkpoint", "launch"},
@@ -167,7 +169,7 @@ def _top_modules() -> set[str]:
 
 def private_reach(module: str, source: str, subpackages: set[str]) -> list[str]:
     """The imports in ``source`` (module ``module``, late imports included) of a private module or
-    a private name of another subpackage: ``jaxdist.core._types``, ``from jaxdist.launch import
+    a private name of another subpackage: ``jaxdist.core._types``, ``from jaxdist.checkpoint import
     _slots``, ``from jaxdist.strategy.base import _scope``. A subpackage's own privates, and the
     package's shared top-level modules (``jaxdist._output``), are not reach."""
     here = _top(module)
@@ -220,17 +222,17 @@ def test_no_module_reaches_into_another_packages_privates():
 
 @pytest.mark.parametrize("source", [
     "from jaxdist.core._types import PyTree",
-    "from jaxdist.launch import _slots",
+    "from jaxdist.checkpoint import _slots",
     "from jaxdist.strategy.base import _scope",
-    "import jaxdist.launch._tierfiles",
-    "def late():\n    from jaxdist.launch._tierfiles import flushed\n",
+    "import jaxdist.checkpoint._pwrite",
+    "def late():\n    from jaxdist.launch._owned import make\n",
 ])
 def test_the_private_reach_check_finds_a_planted_import(source):
     subpackages = _subpackages()
-    assert private_reach("jaxdist.checkpoint.planted", source, subpackages)
+    assert private_reach("jaxdist.callbacks.planted", source, subpackages)
     # a package's own privates, the shared top-level modules and public faces are not reach
-    assert not private_reach("jaxdist.core.planted" if "core" in source else "jaxdist.launch.x"
-                             if "launch" in source else "jaxdist.strategy.x", source, subpackages)
+    own = re.search(r"jaxdist\.(\w+)", source).group(1)
+    assert not private_reach(f"jaxdist.{own}.planted", source, subpackages)
     assert not private_reach("jaxdist.checkpoint.ok", "from jaxdist._output import integer\n"
                              "from jaxdist.core import PyTree\nfrom jaxdist import _output\n", subpackages)
 
@@ -253,6 +255,51 @@ def test_the_top_package_check_finds_a_planted_import(source):
     assert not top_package_imports("jaxdist.cli", source, top, subpackages)  # a top-level module may
     assert not top_package_imports("jaxdist.training.ok", "from jaxdist import _output, callbacks\n"
                                    "import jaxdist.core.step\n", top, subpackages)
+
+
+# The in-memory tier's slot files (their format, checksums and parallel writer) are the tier's:
+# jaxdist/checkpoint/_slots.py and _pwrite.py (issue 42). jaxdist/launch/ keeps the state
+# directory's contract only (launch/statedir.py: the files' names, whether a slot holds a snapshot).
+TIER_MODULES_OUT_OF_LAUNCH = ("_slots", "_pwrite", "_tierfiles", "slots", "pwrite", "tierfiles")
+SLOT_CONTENTS = {"checksum", "Piece", "pieces", "read_piece", "write", "free_slot", "covers",
+                 "contains", "dtype_of", "Damaged", "TierFull", "_write_blocks", "_write_range",
+                 "_range_sum"}
+
+
+def slot_contents(path: str, source: str) -> list[str]:
+    """The top-level functions and classes of ``source`` that read, write or check a slot's
+    contents: the names of ``jaxdist.checkpoint._slots`` / ``_pwrite``, and any checksum."""
+    out = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and (
+                node.name in SLOT_CONTENTS or "checksum" in node.name.lower()):
+            out.append(f"{path}:{node.lineno} defines {node.name}")
+    return out
+
+
+def test_launch_holds_no_module_about_slot_contents_or_checksums():
+    launch = os.path.join(PKG, "launch")
+    there = [m for m in TIER_MODULES_OUT_OF_LAUNCH if os.path.exists(os.path.join(launch, f"{m}.py"))]
+    assert not there, f"jaxdist/launch/ holds {there}: the slot files' format is jaxdist/checkpoint/'s"
+    wrong = [w for name, path in _modules() if name.startswith("jaxdist.launch.")
+             for w in slot_contents(os.path.relpath(path, REPO), open(path, encoding="utf-8").read())]
+    assert not wrong, "slot contents or checksums in jaxdist/launch/ (they are the tier's):\n" + \
+        "\n".join(wrong)
+    for m in ("_slots", "_pwrite"):
+        assert os.path.isfile(os.path.join(PKG, "checkpoint", f"{m}.py")), m
+    # the launcher's question, whether a slot holds a snapshot, is answered in launch
+    from jaxdist.checkpoint import _slots
+    from jaxdist.launch import statedir
+
+    assert _slots.slots is statedir.slots and _slots.read_header is statedir.read_header
+
+
+def test_the_slot_contents_check_finds_a_planted_definition():
+    assert slot_contents("m.py", "def checksum(data):\n    return 0\n")
+    assert slot_contents("m.py", "class Piece:\n    pass\n")
+    assert slot_contents("m.py", "def _block_checksum(raw):\n    return 0\n")
+    assert not slot_contents("m.py", "def header_path(rank_dir, slot):\n    return ''\n"
+                                     "def slots(directory):\n    yield from ()\n")
 
 
 # Functions longer than this are split (STYLE.md). No allowance: `fit` and `Agent._watch`, the

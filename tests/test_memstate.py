@@ -13,9 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.checkpoint import _assemble, memstate
+from jaxdist.checkpoint import _assemble, _slots, memstate
 from jaxdist.checkpoint.memstate import StateTier
-from jaxdist.launch import _slots
 
 
 def _mesh(n=8):

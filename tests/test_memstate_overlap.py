@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.checkpoint import _copies, _overlap, memstate
+from jaxdist.checkpoint import _copies, _overlap, _pwrite, _slots, memstate
 from jaxdist.checkpoint.memstate import StateTier
-from jaxdist.launch import _pwrite, _slots
 
 
 def _state(k):

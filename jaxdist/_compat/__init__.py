@@ -13,8 +13,9 @@ and monkeypatching see one module, never a copy):
 
 Each old path is a plain stub module that calls :func:`alias` with its own name: the top-level
 ones live in ``jaxdist/_compat/paths/`` (which ``jaxdist/__init__.py`` adds to the package's search
-path, ``jaxdist.__path__``, so that the top level stays small), ``jaxdist.launch.memstate`` in
-``jaxdist/launch/``. No import hook: ``python -m`` and ``importlib`` see ordinary modules.
+path, ``jaxdist.__path__``, so that the top level stays small), ``jaxdist.launch.memstate`` and
+``jaxdist.launch.slot_files`` in ``jaxdist/launch/``. No import hook: ``python -m`` and
+``importlib`` see ordinary modules.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ DEPRECATED = {  # removed in 0.5.0
     "jaxdist.input_local": "jaxdist.input.local",
     "jaxdist.launch_group": "jaxdist.launch.group",
     "jaxdist.launch.memstate": "jaxdist.checkpoint.memstate",
+    "jaxdist.launch.slot_files": "jaxdist.checkpoint._slots",  # was jaxdist.launch.__all__'s
     "jaxdist.layout": "jaxdist.core.layout",
     "jaxdist.loss": "jaxdist.core.loss",
     "jaxdist.mesh": "jaxdist.core.mesh",

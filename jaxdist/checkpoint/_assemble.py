@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.launch import slot_files as _slots
+from jaxdist.checkpoint import _slots
 
 logger = logging.getLogger("jaxdist.checkpoint.memstate")
 

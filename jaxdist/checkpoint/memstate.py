@@ -10,7 +10,7 @@ steps it takes a snapshot:
   moves it beside the next step, and the next step may donate the state at once). Nothing there
   grows with the state's size: one call per array, the data moves elsewhere;
 * a background thread waits for that copy and writes this process's blocks of each array to one
-  of two slot files in the directory, with a checksum per block (``jaxdist.launch._slots``);
+  of two slot files in the directory, with a checksum per block (``jaxdist.checkpoint._slots``);
   at most one snapshot is in flight, and a step that comes while one is still being written is
   skipped rather than waited for.
 
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxdist.checkpoint import _assemble
+from jaxdist.checkpoint import _assemble, _slots
 from jaxdist.checkpoint._assemble import RejoinRequired as RejoinRequired
 from jaxdist.checkpoint._assemble import StateMismatchError as StateMismatchError
 from jaxdist.checkpoint._cadence import _Cadence
@@ -77,7 +77,6 @@ from jaxdist.launch import read_outcome as read_outcome
 from jaxdist.launch import read_tier as read_tier
 from jaxdist.launch import read_token as _read_token
 from jaxdist.launch import request_flush as request_flush
-from jaxdist.launch import slot_files as _slots
 from jaxdist.launch import stop_path as stop_path
 from jaxdist.launch import tier_path as tier_path
 from jaxdist.launch import watches_flush as watches_flush

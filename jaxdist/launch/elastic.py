@@ -41,13 +41,13 @@ import threading
 import time
 from typing import Any
 
-from jaxdist.launch import _tierfiles
+from jaxdist.launch import statedir
 from jaxdist.launch._procs import describe_exit, free_ports
-from jaxdist.launch._tierfiles import stop_path, write_stop
 from jaxdist.launch.cluster import ClusterSpec, join_address, split_address
 from jaxdist.launch.hang import HangDetector, waited_for
 from jaxdist.launch.heartbeat import heartbeat_path
 from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, probe, serve
+from jaxdist.launch.statedir import stop_path, write_stop
 
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
@@ -350,7 +350,7 @@ class Agent:
         state_dir = self.l.state_dir
         for path in [stop_path(state_dir)] + [
                 p for r in range(first, first + self.nproc)
-                for p in (heartbeat_path(state_dir, r), _tierfiles.outcome_path(state_dir, r))]:
+                for p in (heartbeat_path(state_dir, r), statedir.outcome_path(state_dir, r))]:
             try:
                 os.remove(path)
             except FileNotFoundError:
@@ -396,7 +396,7 @@ class Agent:
                 self.say(f"received {signal.Signals(self.l.stop_signal).name}: this host leaves "
                          "the job at a step every process agrees on")
                 self.store.set(f"leaving/{self.id}", 1)
-            outcomes = {r: _tierfiles.read_outcome(state_dir, r) for r, c in zip(local, codes)
+            outcomes = {r: statedir.read_outcome(state_dir, r) for r, c in zip(local, codes)
                         if c is not None}
             refused = next((o["rejected"] for o in outcomes.values() if o and "rejected" in o),
                            None)

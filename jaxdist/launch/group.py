@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxdist.launch import _owned, _placement, _slots, _tierfiles, compile_cache, reaper
+from jaxdist.launch import _owned, _placement, compile_cache, reaper, statedir
 from jaxdist.launch._procs import describe_exit, exit_code, free_ports
 from jaxdist.launch.cluster import (
     ENV_COORDINATOR,
@@ -152,7 +152,7 @@ def _tier_on(env: Mapping[str, str]) -> bool:
     >>> _tier_on({}), _tier_on({"JAXDIST_MEMORY_TIER": "off"}), _tier_on({"JAXDIST_MEMORY_TIER": "1"})
     (True, False, True)
     """
-    return _tierfiles.tier_on(env.get(_tierfiles.ENV_TIER))
+    return statedir.tier_on(env.get(statedir.ENV_TIER))
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -408,7 +408,7 @@ class _Launcher:
     def _keep_or_remove_state(self, failed: bool) -> None:
         """A failed job's in-memory state is kept (it may be all that saves the work); a job that
         ended well removes it."""
-        kept = failed and any(True for _ in _slots.slots(self._state_dir))
+        kept = failed and any(True for _ in statedir.slots(self._state_dir))
         if not kept:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             return
@@ -429,7 +429,7 @@ class _Launcher:
         failure can cost changes materially (``tier_changed``), not each time the cadence adapts."""
         if self._state_dir is None:
             return
-        path = _tierfiles.tier_path(self._state_dir, 0)
+        path = statedir.tier_path(self._state_dir, 0)
         try:
             mtime = os.stat(path).st_mtime
             if mtime == self._tier_seen:
@@ -439,7 +439,7 @@ class _Launcher:
             self._tier_seen = mtime
             if tier_changed(self._tier_said, info):
                 self._tier_said = info
-                self.say(_tierfiles.describe_tier(info))
+                self.say(statedir.describe_tier(info))
         except (OSError, ValueError):
             pass
 
@@ -459,15 +459,15 @@ class _Launcher:
     def _flush_survivors(self, procs: Mapping[int, subprocess.Popen]) -> None:
         d = self._state_dir
         alive = {r: p for r, p in procs.items()
-                 if p.poll() is None and _tierfiles.watches_flush(d, r)
+                 if p.poll() is None and statedir.watches_flush(d, r)
                  and hang_process_state(p.pid) != "stopped"}
         if not alive:
             return
-        token = _tierfiles.request_flush(d)
-        size = max((_tierfiles.read_tier(d, r) or {}).get("bytes", 0) for r in alive)
+        token = statedir.request_flush(d)
+        size = max((statedir.read_tier(d, r) or {}).get("bytes", 0) for r in alive)
         end = time.monotonic() + _FLUSH_S + size / 5e8
         while time.monotonic() < end and any(
-                p.poll() is None and not _tierfiles.flushed(d, r, token) for r, p in alive.items()):
+                p.poll() is None and not statedir.flushed(d, r, token) for r, p in alive.items()):
             time.sleep(0.02)
 
     def dump_stacks(self, ranks: Mapping[int, int]) -> None:
@@ -500,7 +500,7 @@ class _Launcher:
         try:
             for rank in range(n if self._state_dir is not None else 0):
                 for path in (heartbeat_path(self._state_dir, rank),
-                             _tierfiles.outcome_path(self._state_dir, rank)):
+                             statedir.outcome_path(self._state_dir, rank)):
                     try:  # what the previous attempt reported must not count for this one
                         os.remove(path)
                     except FileNotFoundError:

@@ -1,14 +1,17 @@
-"""What a process's in-memory tier and its host's launcher tell each other, as files in the
-host's state directory (``JAXDIST_STATE_DIR``): the step to stop at (``stop``), a request to write
-the newest copy now (``flush``, answered in ``<rank>/flushed``), what a tier does (``<rank>/tier.json``),
-and why a process ended early (``<rank>/outcome.json``)."""
+"""The host's state directory (``JAXDIST_STATE_DIR``) as the launcher and a process's in-memory
+tier share it: the step to stop at (``stop``), a request to write the newest copy now (``flush``,
+answered in ``<rank>/flushed``), what a tier does (``<rank>/tier.json``), why a process ended early
+(``<rank>/outcome.json``), and the tier's slot files by name and whether a slot holds a complete
+snapshot (``<rank>/slot-<i>.json`` and ``.bin``: :func:`slots`). What a slot holds, its checksums
+and its writer are the tier's own (``jaxdist.checkpoint._slots``); the launcher only asks whether
+a failed job left a snapshot to keep."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxdist.launch.heartbeat import write_atomic
@@ -135,3 +138,50 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+# The in-memory tier's slots (``jaxdist.checkpoint._slots`` writes and reads them): two per
+# process, each a data file and a header; a slot is valid only while its header exists.
+FORMAT = 1
+SLOTS = 2
+
+
+def header_path(rank_dir: str, slot: int) -> str:
+    return os.path.join(rank_dir, f"slot-{slot}.json")
+
+
+def data_path(rank_dir: str, slot: int) -> str:
+    return os.path.join(rank_dir, f"slot-{slot}.bin")
+
+
+def read_header(rank_dir: str, slot: int) -> dict | None:
+    """The slot's header, or None when the slot holds no complete snapshot."""
+    try:
+        with open(header_path(rank_dir, slot), "rb") as f:
+            header = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        return None
+    try:
+        if os.path.getsize(data_path(rank_dir, slot)) < int(header["bytes"]):
+            return None  # truncated behind our back
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return header
+
+
+def slots(directory: str) -> Iterator[tuple[str, int, dict]]:
+    """Every valid slot on this host: ``(rank dir, slot, header)``, any rank's."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in sorted(names):
+        rank_dir = os.path.join(directory, name)
+        if not name.isdigit() or not os.path.isdir(rank_dir):
+            continue
+        for slot in range(SLOTS):
+            header = read_header(rank_dir, slot)
+            if header is not None:
+                yield rank_dir, slot, header

@@ -1,11 +1,11 @@
-"""Writing a snapshot's blocks into a slot file from several threads (``jaxdist.launch._slots``).
+"""Writing a snapshot's blocks into a slot file from several threads (``jaxdist.checkpoint._slots``).
 
 One thread writes a GB to /dev/shm at about 1.2 GB/s (a memory copy into the page cache, page by
 page); several threads writing disjoint byte ranges with ``os.pwrite`` (which releases the GIL)
 scale with the cores (measured on an H100 host: 1.3 GB in 1.1 s from one thread, 0.115 s from
 eight). Each range's checksum is summed in the thread that writes it, while its bytes are hot in
 the cache; a block's checksum is put together from its ranges' sums (:func:`_range_sum`), the same
-value :func:`jaxdist.launch._slots.checksum` gives for the whole block, so the file format and
+value :func:`jaxdist.checkpoint._slots.checksum` gives for the whole block, so the file format and
 its readers do not change.
 """
 

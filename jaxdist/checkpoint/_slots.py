@@ -7,22 +7,30 @@ which offset, and a checksum). A slot is valid only while its header exists: the
 before the data is overwritten and written (atomically) after, so a reader never takes half a
 snapshot, and a killed writer leaves the other slot as the newest valid one. Checksums catch
 damaged or truncated data when a piece is read back.
+
+The files' names and that validity rule are the state directory's contract, which the launcher
+reads too (whether a failed job left a snapshot to keep): they live in ``jaxdist.launch.statedir``
+and are re-exported here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxdist.launch._pwrite import _write_blocks
+from jaxdist.checkpoint._pwrite import _write_blocks
 from jaxdist.launch.heartbeat import write_atomic
+from jaxdist.launch.statedir import FORMAT as FORMAT
+from jaxdist.launch.statedir import SLOTS as SLOTS
+from jaxdist.launch.statedir import data_path as data_path
+from jaxdist.launch.statedir import header_path as header_path
+from jaxdist.launch.statedir import read_header as read_header
+from jaxdist.launch.statedir import slots as slots
 
-FORMAT = 1
-SLOTS = 2
 _CHUNK_WORDS = 1 << 20  # 8 MiB a chunk when summing
 
 
@@ -72,47 +80,6 @@ def checksum(data: np.ndarray) -> str:
         total += (tail * (np.arange(tail.size, dtype=np.uint64) + np.uint64(7))).sum(
             dtype=np.uint64)
     return f"{int(total):016x}"
-
-
-def header_path(rank_dir: str, slot: int) -> str:
-    return os.path.join(rank_dir, f"slot-{slot}.json")
-
-
-def data_path(rank_dir: str, slot: int) -> str:
-    return os.path.join(rank_dir, f"slot-{slot}.bin")
-
-
-def read_header(rank_dir: str, slot: int) -> dict | None:
-    """The slot's header, or None when the slot holds no complete snapshot."""
-    try:
-        with open(header_path(rank_dir, slot), "rb") as f:
-            header = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        return None
-    try:
-        if os.path.getsize(data_path(rank_dir, slot)) < int(header["bytes"]):
-            return None  # truncated behind our back
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
-    return header
-
-
-def slots(directory: str) -> Iterator[tuple[str, int, dict]]:
-    """Every valid slot on this host: ``(rank dir, slot, header)``, any rank's."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in sorted(names):
-        rank_dir = os.path.join(directory, name)
-        if not name.isdigit() or not os.path.isdir(rank_dir):
-            continue
-        for slot in range(SLOTS):
-            header = read_header(rank_dir, slot)
-            if header is not None:
-                yield rank_dir, slot, header
 
 
 def free_slot(rank_dir: str) -> int:
