@@ -45,3 +45,90 @@ subprocess.Popen.__init__ = _with_cache  # type: ignore[method-assign]
 # A deprecated path's stub module warns when imported (a DeprecationWarning, an error in this
 # suite): the doctest collector must not import it. tests/test_layout.py imports every moved path.
 collect_ignore = ["jaxdist/launch/memstate.py", "jaxdist/launch/slot_files.py"]
+
+
+# ----- the suite's order, its secondary leg, and what it leaves behind (issue 40) -------------
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+# The suite's own temporary root: every process the suite starts writes its temporary files
+# there (TMPDIR, and the pytest process's tempfile), and a green run removes it whole.
+_REAL_TMP = tempfile.gettempdir()
+SUITE_TMP = tempfile.mkdtemp(prefix="jaxdist-suite-", dir=_REAL_TMP)
+os.environ["TMPDIR"] = SUITE_TMP
+tempfile.tempdir = SUITE_TMP
+CACHE_ENV["TMPDIR"] = SUITE_TMP
+_SHM = "/dev/shm"
+_STARTED = time.time()
+
+
+def _entries(where: str) -> set[str]:
+    try:
+        return set(os.listdir(where))
+    except OSError:
+        return set()
+
+
+_BEFORE = {_SHM: _entries(_SHM), _REAL_TMP: _entries(_REAL_TMP) | {os.path.basename(SUITE_TMP)}}
+
+# Files whose subject is JAX's own behaviour (numerics, sharding, compilation): the newest-JAX leg
+# runs every case of them; elsewhere it runs one case per parametrized test (JAXDIST_TEST_ONE_CASE).
+JAX_SENSITIVE = {"test_strategies.py", "test_invariance.py", "test_collectives.py",
+                 "test_per_replica.py", "test_zero.py", "test_user_mesh.py", "test_cross_device.py",
+                 "test_compile.py", "test_tf_parity.py", "test_precision.py", "test_run_reduce.py"}
+
+
+def _heavy(item) -> bool:
+    return item.get_closest_marker("multiprocess") is not None or \
+        item.get_closest_marker("slow") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("JAXDIST_TEST_ONE_CASE") == "1":
+        seen, keep, dropped = set(), [], []
+        for item in items:
+            spec = getattr(item, "callspec", None)
+            key = (str(item.path), getattr(item, "originalname", item.name))
+            if spec is None or item.path.name in JAX_SENSITIVE or key not in seen:
+                seen.add(key)
+                keep.append(item)
+            else:
+                dropped.append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    # In-process tests first, the tests that start processes or run long last: a broken change
+    # shows in minutes (with --maxfail, the run stops there), and the slow tier runs on a warm cache.
+    items.sort(key=_heavy)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Kept in-memory states of jobs the suite failed on purpose (a launcher keeps one for a
+    # resume): the suite made them, the suite removes them.
+    for name in _entries(_SHM) - _BEFORE[_SHM]:
+        if name.startswith("jaxdist-state-kept-"):
+            shutil.rmtree(os.path.join(_SHM, name), ignore_errors=True)
+    if exitstatus != 0:
+        print(f"\nthe suite's temporary files are kept in {SUITE_TMP}")
+        return
+    shutil.rmtree(SUITE_TMP, ignore_errors=True)
+    if os.environ.get("JAXDIST_TEST_LEFTOVER_CHECK", "1") == "0":
+        return
+    left = []
+    for where, before in _BEFORE.items():
+        for name in sorted(_entries(where) - before):
+            path = os.path.join(where, name)
+            try:
+                if os.stat(path).st_mtime >= _STARTED - 1:
+                    left.append(path)
+            except OSError:
+                continue
+    if left:
+        print("\nthe suite left these behind (a test or the code under test does not clean up; "
+              "JAXDIST_TEST_LEFTOVER_CHECK=0 skips this check when other work shares the "
+              f"machine): {', '.join(left[:20])}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

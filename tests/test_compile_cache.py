@@ -1,0 +1,61 @@
+"""The persistent compilation cache `jaxdist train` and `jaxdist launch` use by default: a second
+run compiles nothing new (issue 40)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from jaxdist.launch import compile_cache
+from tests.conftest import REPO
+
+# Counts, in the child, the compilations that missed the cache (written to it) and those served
+# from it, around `jaxdist train` run in-process through the CLI's own entry point.
+COUNT = """
+import json, sys, jax
+seen = {"misses": 0, "hits": 0}
+def on(name, *_, **__):
+    if name == "/jax/compilation_cache/cache_misses": seen["misses"] += 1
+    if name == "/jax/compilation_cache/cache_hits": seen["hits"] += 1
+jax.monitoring.register_event_listener(on)
+from jaxdist import cli
+rc = cli.main(["train", "--strategy", "mirrored", "--devices", "2", "--epochs", "1", "--quiet",
+               *sys.argv[1:]])
+print("COUNTS", json.dumps({**seen, "rc": rc}))
+"""
+
+
+def _train(home, *args):
+    # This test checks the CLI's own default: no cache from the suite, a home of its own.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE"))}
+    env.update(XDG_CACHE_HOME=str(home), JAXDIST_TEST_OWN_CACHE="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", COUNT, *args], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("COUNTS ")][-1]
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_a_second_jaxdist_train_compiles_nothing_new(tmp_path):
+    first = _train(tmp_path)
+    assert first["rc"] == 0 and first["misses"] > 0
+    cached = os.path.join(tmp_path, "jaxdist", "xla")
+    assert os.listdir(cached), "the default cache directory was not written"
+    second = _train(tmp_path)
+    assert second["rc"] == 0
+    assert second["misses"] == 0, second
+    assert second["hits"] >= first["misses"], (first, second)
+    off = _train(tmp_path, "--no-compile-cache")
+    assert off["hits"] == 0 and off["misses"] == 0, off
+
+
+def test_the_cache_settings_follow_the_environment(tmp_path):
+    assert compile_cache.cache_dir({"JAXDIST_COMPILE_CACHE": "0"}) is None
+    assert compile_cache.cache_env({"JAXDIST_COMPILE_CACHE": "off"}) == {}
+    env = compile_cache.cache_env({"JAXDIST_COMPILE_CACHE": str(tmp_path),
+                                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"})
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path)
+    assert "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in env  # the user's own stays
