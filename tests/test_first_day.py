@@ -139,6 +139,34 @@ def test_a_successful_run_removes_only_what_the_backup_wrote(tmp_path, caplog):
     assert int(first.state.step) == 8
 
 
+def test_a_finished_job_leaves_no_memory_copy_for_the_next_run(tmp_path, monkeypatch):
+    # A kept JAXDIST_STATE_DIR (the launcher tells users to set it to resume) outlives the job:
+    # delete_checkpoint=True clears the tier's copy too, so the next training starts afresh.
+    from jaxdist.memstate import StateTier
+
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("JAXDIST_STATE_DIR", str(state_dir))
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+
+    def run(**kw):
+        backup = jaxdist.callbacks.BackupAndRestore(
+            str(tmp_path / "b"), memory_tier=jaxdist.callbacks.MemoryTier(every=1), **kw)
+        history = jaxdist.fit(s.step(models.classifier_train_step), _state(x),
+                              s.distribute((x, y), 10), epochs=1, verbose=0, callbacks=[backup])
+        return history, backup
+
+    _, kept = run(delete_checkpoint=False)
+    assert StateTier(str(state_dir), rank=0).newest_local() is not None  # the tier held steps
+    first, _ = run(delete_checkpoint=False)  # resumes the kept final state: nothing to train
+    assert first.epochs == []
+    _, done = run()  # the same, deleting both tiers after success
+    assert done.restored_from == "memory"
+    assert StateTier(str(state_dir), rank=0).newest_local() is None
+    again, fresh = run()
+    assert fresh.restored_from is None and again.epochs == [0]
+
+
 @pytest.mark.parametrize("where", [".", "", "~", "..", "/"])
 def test_a_backup_folder_that_holds_the_users_work_is_refused(where):
     with pytest.raises(ValueError, match="a backup needs a folder of its own"):

@@ -450,10 +450,14 @@ class BackupAndRestore(ModelCheckpoint):
 
     def on_train_end(self, info: TrainInfo) -> None:
         super().on_train_end(info)
-        if self._delete and jax.process_index() == 0:
+        if self._delete:
             # Keras's default: the run is complete, so a rerun starts afresh rather than restore
-            # a final state and train nothing. Unlike Keras, only what this callback wrote goes.
-            remove_backup(self.manager, ours={c.step for c in self.saved} | {self.restored_step})
+            # a final state and train nothing; in both tiers (a kept state directory, too).
+            # Unlike Keras, only what this callback wrote goes.
+            self.memory.discard()
+            if jax.process_index() == 0:
+                remove_backup(self.manager,
+                              ours={c.step for c in self.saved} | {self.restored_step})
 
     def close(self) -> None:
         try:

@@ -36,6 +36,7 @@ Files are raw bytes described by a JSON header: nothing is ever unpickled.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -639,12 +640,33 @@ class StateTier:
         except OSError:
             pass
 
+    def discard(self) -> None:
+        """Forgets this process's snapshots: a job that completed leaves nothing a later run
+        could resume from (``BackupAndRestore(delete_checkpoint=True)``; every process calls it
+        for its own slots). The tier is off afterwards."""
+        if self.directory is None:
+            return
+        self._stop_threads()
+        with self._write_lock:  # a write still under way finishes first
+            for slot in range(_slots.SLOTS):
+                for path in (_slots.header_path(self._my_dir(), slot),
+                             _slots.data_path(self._my_dir(), slot)):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+        if self.rank() == 0:
+            with contextlib.suppress(OSError):
+                os.remove(_owner_path(self.directory))
+        self._disabled = True
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Writes the newest copy (waiting at most ``timeout_s`` for copies whose step may never
         finish: a failed peer) and stops the threads."""
         if not self._threads:
             return
         self.flush(timeout_s)
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
         self._stopping = True
         with self._cond:
             self._cond.notify_all()
