@@ -59,3 +59,15 @@ def test_the_cache_settings_follow_the_environment(tmp_path):
                                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"})
     assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path)
     assert "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in env  # the user's own stays
+
+
+def test_entries_written_without_the_cap_are_healed(tmp_path):
+    # plain JAX writing the same directory without the size cap leaves entries with no access
+    # time, and JAX's capped writers then fail to write anything: heal() gives them one
+    (tmp_path / "jit_f-abc-cache").write_bytes(b"x")
+    (tmp_path / "jit_g-def-cache").write_bytes(b"y")
+    (tmp_path / "jit_g-def-atime").write_bytes((1).to_bytes(8, "little"))
+    assert compile_cache.heal(str(tmp_path)) == 1
+    assert (tmp_path / "jit_f-abc-atime").exists()
+    assert (tmp_path / "jit_g-def-atime").read_bytes() == (1).to_bytes(8, "little")
+    assert compile_cache.heal(str(tmp_path / "missing")) == 0

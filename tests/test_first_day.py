@@ -195,6 +195,43 @@ def test_fit_takes_keras_validation_data(digits):
                     validation_data=(xt[:100], yt[:100]))
 
 
+@pytest.mark.parametrize("bad, text", [
+    (lambda xt, yt: (xt,), "got a 1-tuple; pass \\(x_val, y_val\\)"),
+    (lambda xt, yt: xt, "got a ndarray; pass \\(x_val, y_val\\)"),
+    (lambda xt, yt: {"x": xt, "y": yt}, "got a dict; pass \\(x_val, y_val\\).*eval_data="),
+    (lambda xt, yt: (xt, yt, np.ones(len(yt))), "sample weights are not supported"),
+])
+def test_validation_data_of_another_shape_is_refused_before_training(bad, text):
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    trained = []
+
+    class Seen(jaxdist.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            trained.append(info.step)
+
+    with pytest.raises(ValueError, match=text):
+        jaxdist.fit(s.step(models.classifier_train_step), _state(x), s.distribute((x, y), 10),
+                    verbose=0, callbacks=[Seen()], validation_data=bad(x[:20], y[:20]))
+    assert trained == []  # at the call, not after an epoch
+
+
+def test_validation_split_holds_out_the_last_fraction_as_keras_does():
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    step = s.step(models.classifier_train_step)
+    split = jaxdist.fit(step, _state(x), (x, y), batch_size=10, shuffle=False, verbose=0,
+                        validation_split=0.25)
+    by_hand = jaxdist.fit(step, _state(x), (x[:60], y[:60]), batch_size=10, shuffle=False,
+                          verbose=0, validation_data=(x[60:], y[60:]))
+    assert split.history["val_loss"] == by_hand.history["val_loss"]
+    assert split.history["loss"] == by_hand.history["loss"]
+    with pytest.raises(ValueError, match="validation_split= needs in-memory"):
+        jaxdist.fit(step, _state(x), s.distribute((x, y), 10), verbose=0, validation_split=0.2)
+    with pytest.raises(ValueError, match="expected a fraction"):
+        jaxdist.fit(step, _state(x), (x, y), batch_size=10, verbose=0, validation_split=1.5)
+
+
 def test_unpacking_a_batch_as_x_y_says_what_it_is_and_the_line_to_write():
     import optax
 

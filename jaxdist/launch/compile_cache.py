@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Mapping
 
 __all__ = ["ENV_CACHE", "ENV_CACHE_MAX_BYTES", "cache_dir", "cache_env", "enable"]
@@ -99,6 +100,32 @@ def cache_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in _settings(environ).items() if not environ.get(k)}
 
 
+def heal(where: str) -> int:
+    """Gives every entry in cache directory ``where`` the access-time file JAX's size cap reads;
+    returns how many lacked one.
+
+    A process that wrote to the directory without the cap (plain JAX with only
+    ``JAX_COMPILATION_CACHE_DIR`` set) leaves entries without it, and from then on every capped
+    process fails to write any entry (JAX warns "Error writing persistent compilation cache
+    entry ... -atime"): the cache would stop growing for good.
+    """
+    try:
+        names = set(os.listdir(where))
+    except OSError:
+        return 0
+    healed = 0
+    stamp = time.time_ns().to_bytes(8, "little")
+    for name in names:
+        if name.endswith("-cache") and name[:-len("-cache")] + "-atime" not in names:
+            try:
+                with open(os.path.join(where, name[:-len("-cache")] + "-atime"), "wb") as f:
+                    f.write(stamp)
+                healed += 1
+            except OSError:
+                continue
+    return healed
+
+
 def enable(environ: Mapping[str, str] | None = None) -> str | None:
     """Turns the cache on in this process (before its first compilation); returns its directory,
     or None when the environment turns it off (or JAX cannot use it: said in the log)."""
@@ -111,6 +138,7 @@ def enable(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     try:
         os.makedirs(where, exist_ok=True)
+        heal(where)
     except OSError as e:
         import logging
 

@@ -350,6 +350,9 @@ class _Launcher:
         # it off). The cache lives on disk, not in the tier's shared memory: a full /dev/shm must
         # not leave truncated entries that every restart reads again.
         cached = compile_cache.cache_env({**os.environ, **env})
+        if cached and not getattr(self, "_cache_healed", False):
+            compile_cache.heal(cached.get("JAX_COMPILATION_CACHE_DIR", ""))
+            self._cache_healed = True
         env.update(cached)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir

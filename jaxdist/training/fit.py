@@ -475,6 +475,51 @@ def _evaluation(train_step: Callable, strategy, dataset: Any, eval_step: Callabl
             _as_dataset(eval_data, strategy, batch_size, False, 0, "eval_data"))
 
 
+def _check_validation_data(validation_data: Any) -> Any:
+    """``validation_data`` as ``(x_val, y_val)`` or a dataset; anything else is refused in one
+    line at ``fit``'s call, before any training (not deep in the model, or after an epoch)."""
+    if validation_data is None or isinstance(validation_data, DistributedDataset):
+        return validation_data
+    if isinstance(validation_data, list):
+        validation_data = tuple(validation_data)
+    if isinstance(validation_data, tuple) and len(validation_data) == 3:
+        raise ValueError("fit(validation_data=(x_val, y_val, sample_weight)): sample weights are not "
+                         "supported; pass (x_val, y_val), or weight the loss inside eval_step "
+                         "with your own weights in the batch (eval_data=strategy.distribute(...))")
+    if not (isinstance(validation_data, tuple) and len(validation_data) == 2):
+        what = (f"a {len(validation_data)}-tuple" if isinstance(validation_data, tuple)
+                else f"a {type(validation_data).__name__}")
+        raise ValueError(f"fit(validation_data=...) got {what}; pass (x_val, y_val) as Keras "
+                         "does, or a dataset: eval_data=strategy.distribute(your_data, batch) "
+                         "(any structure your eval_step takes, a dict of arrays included)")
+    return validation_data
+
+
+def _split_validation(data: Any, validation_split: float | None, validation_data: Any):
+    """Keras's ``validation_split``: the last fraction of in-memory ``(x, y)``, before shuffling."""
+    if validation_split is None:
+        return data, validation_data
+    if not (isinstance(validation_split, (int, float)) and 0.0 < validation_split < 1.0):
+        raise ValueError(f"validation_split={validation_split!r}; expected a fraction between 0 "
+                         "and 1 (e.g. 0.1)")
+    if validation_data is not None:
+        raise ValueError("fit got both validation_split= and validation_data=; pass one of them")
+    if isinstance(data, list):
+        data = tuple(data)
+    if not (isinstance(data, tuple) and len(data) == 2):
+        raise ValueError("validation_split= needs in-memory (x, y) arrays (as Keras's); with a "
+                         "dataset, split it yourself and pass validation_data=(x_val, y_val)")
+    n = len(jax.tree.leaves(data[0])[0])
+    at = int(n * (1.0 - validation_split))
+    if at < 1 or at >= n:
+        raise ValueError(f"validation_split={validation_split} of {n} examples leaves "
+                         f"{at} to train on and {n - at} to validate; choose a fraction that "
+                         "leaves both non-empty")
+    head = jax.tree.map(lambda a: a[:at], data)
+    tail = jax.tree.map(lambda a: a[at:], data)
+    return head, tail
+
+
 def _resume(run: _Run) -> None:
     """Asks the callbacks whether to resume (at most one may) and says where training resumes."""
     info = run.info
@@ -585,7 +630,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
         initial_epoch: int = 0, max_in_flight: int = 4,
         steps_per_execution: int = 1, validation_data: Any = None,
-        validation_batch_size: int | None = None) -> History:
+        validation_batch_size: int | None = None,
+        validation_split: float | None = None) -> History:
     """Trains ``state`` with ``train_step(state, batch) -> (state, metrics)`` for ``epochs``.
 
     Args:
@@ -600,6 +646,9 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         distributed with the step's strategy in batches of ``validation_batch_size`` (default:
         the training batch size) and evaluated with ``eval_step``, which may be left out for
         ``jaxdist.models.classifier_train_step`` (its ``classifier_eval_step`` is used).
+        Sample weights (a third element) are not supported.
+      validation_split: Keras's: the last fraction of in-memory ``(x, y)`` (taken before
+        shuffling) is held out and used as ``validation_data``.
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
       max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
@@ -628,7 +677,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
         batch, a step returning non-scalar metrics, or ``steps_per_execution`` not an int >= 1
         (or > 1 with a step or data it cannot group: a parameter-server step, say);
-        ``validation_data`` with ``eval_data``, or without an ``eval_step`` to evaluate it.
+        ``validation_data`` with ``eval_data``, or without an ``eval_step`` to evaluate it, or
+        not ``(x_val, y_val)`` or a dataset; a bad ``validation_split``.
 
     >>> import jax.numpy as jnp, numpy as np, jaxdist
     >>> s = jaxdist.MirroredStrategy()
@@ -649,6 +699,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     """
     check_max_in_flight(max_in_flight)
     group = _check_steps_per_execution(steps_per_execution)
+    data, validation_data = _split_validation(data, validation_split, validation_data)
+    validation_data = _check_validation_data(validation_data)
     strategy = _strategy_of(train_step, data)
     step = _as_step(train_step, strategy, donate=True)
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
