@@ -48,6 +48,27 @@ def test_a_rank_that_raises_ends_the_job_at_once_and_a_repeat_stops_the_retries(
         shutil.rmtree(kept[1], ignore_errors=True)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, code", [("raise", 1), ("hook", 1), ("exit", 3)])
+def test_a_failing_rank_keeps_what_the_script_wrote_and_ends_the_job_at_once(tmp_path, mode, code):
+    # before: the raising rank left with os._exit(1) from jaxdist's excepthook: no atexit handler,
+    # no buffered line reached its files; with the script's own excepthook or sys.exit(3) the job
+    # waited for the hang detector instead
+    script = str(ROOT / "tests" / "_mp_scripts" / "rank_exit.py")
+    result = launch.run([script, str(tmp_path), mode], num_processes=2, devices_per_process=1,
+                        timeout_s=90, hang_timeout_s=300, env=_env(), max_restarts=0)
+    out = result.output
+    assert result.returncode == code, out
+    assert "timed out" not in out and "hung" not in out, out
+    assert f"rank 1 exited with code {code}" in out, out
+    assert (tmp_path / "atexit1").read_text() == "ran"
+    assert (tmp_path / "metrics1.csv").read_text().splitlines() == ["1,2", "2,4", "3,6"]
+    assert len((tmp_path / "metrics1.jsonl").read_text().splitlines()) == 3
+    assert (tmp_path / "log1.txt").read_text().splitlines() == ["step 1", "step 2", "step 3"]
+    if mode == "hook":
+        assert "custom hook: Traceback" in out, out
+
+
 _RAISE_AT_7 = """
 import sys
 import jaxdist

@@ -318,7 +318,8 @@ def _shutdown_at_exit() -> None:
     """Leaves the runtime cleanly at interpreter exit (``jax.distributed.shutdown``).
 
     Without it, a finished process's peers see it vanish and may abort, and schedulers that
-    watch exit codes relaunch jobs that had in fact finished.
+    watch exit codes relaunch jobs that had in fact finished. A process of a launched job that
+    ends on an error leaves another way (``_leave_after_error``).
     """
     global _shutdown_registered
     import atexit
@@ -330,41 +331,123 @@ def _shutdown_at_exit() -> None:
     def shutdown():
         import jax
 
+        if _failure_code() is not None:  # the error path ran the handlers: no barrier now
+            return
         try:
             jax.distributed.shutdown()
         except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to leave
             logger.info("jax.distributed.shutdown at exit: %s", e)
     atexit.register(shutdown)
     if os.environ.get("JAXDIST_LAUNCH_ID") and _distributed_state().client is not None:
-        sys.excepthook = _exit_after_error(sys.excepthook)
+        _watch_exit_code()
+        import threading
+
+        # Runs at interpreter shutdown before it joins non-daemon threads (those of a loop whose
+        # peers wait in a collective would never end), however the main code ended: whatever
+        # excepthook the script installed, and for sys.exit too.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_leave_after_error)
+        else:  # pragma: no cover - CPython has had it since 3.9
+            sys.excepthook = _exit_after_error(sys.excepthook)
+
+
+_exit_code: list = [None]  # the status a script passed to sys.exit (None: not called)
+
+
+def _watch_exit_code() -> None:
+    """Records the status ``sys.exit(status)`` is called with (argparse's errors included): the
+    interpreter does not tell the exit handlers why it is ending."""
+    real_exit = sys.exit
+    if getattr(real_exit, "_jaxdist", False):
+        return
+
+    def exit(status=None):
+        _exit_code[0] = status
+        real_exit(status)
+    exit._jaxdist = True  # type: ignore[attr-defined]
+    exit.__doc__ = real_exit.__doc__
+    sys.exit = exit
+
+
+def _failure_code() -> int | None:
+    """The status a failing process ends with, or None when it ends normally: an uncaught
+    exception (the interpreter keeps it in ``sys.last_value``, whatever the excepthook) or a
+    non-zero ``sys.exit``."""
+    status = _exit_code[0]
+    if status not in (None, 0):
+        return status if isinstance(status, int) else 1
+    last = getattr(sys, "last_value", None)
+    if last is not None and not (isinstance(last, SystemExit) and last.code in (None, 0)):
+        return 1
+    return None
+
+
+_LEAVE_HANDLERS_S = 10.0  # how long a failing process gives the exit handlers
+
+
+def _leave_after_error() -> None:
+    """Ends a failing process of a launched job within seconds, keeping what its code wrote.
+
+    The normal exit would wait for the loop's threads and then run ``jax.distributed.shutdown()``,
+    whose barrier waits for every peer while the peers wait for this process inside the step's
+    collective: the job hung until the hang timeout blamed a healthy rank. What the shutdown is
+    for (peers that see a clean leave) does not apply to a process that failed: the launcher
+    ends the group as soon as one exits. So: the script's ``atexit`` handlers (at most
+    ``_LEAVE_HANDLERS_S``; ``logging.shutdown`` is one of them), every open file flushed, the
+    heartbeat's last progress written, then ``os._exit`` with the failure's status.
+    """
+    code = _failure_code()
+    if code is None:
+        return
+    try:
+        import atexit
+        import threading
+
+        from jaxdist.launch import heartbeat
+
+        beat = heartbeat._current  # made by the training loop, if it ran
+        if beat is not None:
+            beat.close()
+        runner = threading.Thread(target=atexit._run_exitfuncs, name="jaxdist-exit-handlers",
+                                  daemon=True)
+        runner.start()
+        runner.join(_LEAVE_HANDLERS_S)
+        if runner.is_alive():
+            logger.warning("the exit handlers did not finish within %g s; leaving without them",
+                           _LEAVE_HANDLERS_S)
+        _flush_open_files()
+    finally:
+        os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Flushes every open file object (what the interpreter's own finalization would do)."""
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:  # noqa: BLE001 - a broken stream must not keep the process alive
+            continue
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            continue
 
 
 def _exit_after_error(print_error: Callable) -> Callable:
-    """An excepthook for a process of a launched job: prints the error, then exits with code 1 at
-    once.
-
-    The normal exit would run ``jax.distributed.shutdown()``, whose barrier waits for every peer,
-    while the peers wait for this process inside the step's collective: the job hung until the
-    hang timeout blamed a healthy rank. What the shutdown is for (peers that see a clean leave)
-    does not apply to a process that failed: the launcher ends the group as soon as one exits.
-    Before the exit: ``fit`` has already finished or reported its saves in flight and written the
-    in-memory tier (its callbacks' ``close``); the heartbeat's last progress and the output are
-    flushed here.
-    """
+    """An excepthook that prints the error, then leaves as ``_leave_after_error`` does (for an
+    interpreter without ``threading._register_atexit``)."""
     def hook(kind, value, tb):
         try:
             print_error(kind, value, tb)
-            from jaxdist.launch import heartbeat
-
-            beat = heartbeat._current  # made by the training loop, if it ran
-            if beat is not None:
-                beat.close()
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            sys.stdout.flush()
-            sys.stderr.flush()
         finally:
-            os._exit(1)
+            sys.last_value = value
+            _leave_after_error()
     return hook
 
 
