@@ -142,10 +142,12 @@ def test_a_successful_run_removes_only_what_the_backup_wrote(tmp_path, caplog):
 def test_a_finished_job_leaves_no_memory_copy_for_the_next_run(tmp_path, monkeypatch):
     # A kept JAXDIST_STATE_DIR (the launcher tells users to set it to resume) outlives the job:
     # delete_checkpoint=True clears the tier's copy too, so the next training starts afresh.
+    from jaxdist.launch import heartbeat
     from jaxdist.memstate import StateTier
 
     state_dir = tmp_path / "state"
     monkeypatch.setenv("JAXDIST_STATE_DIR", str(state_dir))
+    monkeypatch.setattr(heartbeat, "_current", None)  # this test's heartbeat, not the process's
     x, y = _data()
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
 
@@ -165,6 +167,24 @@ def test_a_finished_job_leaves_no_memory_copy_for_the_next_run(tmp_path, monkeyp
     assert StateTier(str(state_dir), rank=0).newest_local() is None
     again, fresh = run()
     assert fresh.restored_from is None and again.epochs == [0]
+
+
+def test_a_state_directory_that_cannot_be_used_is_one_line(tmp_path, monkeypatch, caplog):
+    from jaxdist.launch import heartbeat
+
+    monkeypatch.setenv("JAXDIST_STATE_DIR", "/proc/nope")
+    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setattr(heartbeat, "_unusable", None)
+    caplog.set_level(logging.WARNING, logger="jaxdist")
+    x, y = _data()
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    jaxdist.fit(s.step(models.classifier_train_step), _state(x), s.distribute((x, y), 10),
+                epochs=1, verbose=0,
+                callbacks=[jaxdist.callbacks.BackupAndRestore(str(tmp_path / "b"))])
+    said = [r.getMessage() for r in caplog.records if "/proc/nope" in r.getMessage()]
+    assert said == ["JAXDIST_STATE_DIR=/proc/nope cannot be used (No such file or directory): this "
+                    "process keeps no heartbeat and no in-memory state; set it to a writable "
+                    "directory, or unset it"], said
 
 
 @pytest.mark.parametrize("where", [".", "", "~", "..", "/"])

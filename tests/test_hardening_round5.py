@@ -353,15 +353,17 @@ def test_every_process_gets_torchruns_master_address_and_port_of_its_job(tmp_pat
     # reached every process
     script = tmp_path / "show.py"
     script.write_text("import os\nprint('master', os.environ.get('MASTER_ADDR'), "
-                      "os.environ.get('MASTER_PORT'), os.environ['JAXDIST_COORDINATOR'])\n")
+                      "os.environ.get('MASTER_PORT'), os.environ['JAXDIST_COORDINATOR'], "
+                      "os.environ.get('TORCHELASTIC_RESTART_COUNT'))\n")
     result = launch.run([str(script)], num_processes=2, timeout_s=60,
                         env=_env(MASTER_ADDR="stale.example", MASTER_PORT="1",
-                                 JAXDIST_MEMORY_TIER="0"))
+                                 TORCHELASTIC_RESTART_COUNT="7", JAXDIST_MEMORY_TIER="0"))
     assert result.returncode == 0, result.output
-    lines = re.findall(r"\[\d\] master (\S+) (\S+) (\S+)", result.output)
+    lines = re.findall(r"\[\d\] master (\S+) (\S+) (\S+) (\S+)", result.output)
     assert len(lines) == 2, result.output
-    for addr, port, coordinator in lines:
+    for addr, port, coordinator, restarts in lines:
         assert f"{addr}:{port}" == coordinator, result.output
+        assert restarts == "0", result.output  # torchrun's count of this job's restarts
 
 
 def test_a_gpu_count_past_any_host_is_one_line_not_a_huge_list():

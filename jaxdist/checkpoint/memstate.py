@@ -85,6 +85,7 @@ from jaxdist.launch import write_stop as write_stop
 from jaxdist.launch.heartbeat import ENV_STATE_DIR as ENV_STATE_DIR
 from jaxdist.launch.heartbeat import heartbeat_path as heartbeat_path
 from jaxdist.launch.heartbeat import read_heartbeat as read_heartbeat
+from jaxdist.launch.heartbeat import unusable_dir as _unusable_dir
 from jaxdist.launch.heartbeat import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -354,6 +355,15 @@ class StateTier:
         leaves = _arrays(state)
         self._fingerprint = _assemble.describe(state)[0]
         need = sum(_my_bytes(x) for x in leaves)
+        try:
+            os.makedirs(self._my_dir(), exist_ok=True)
+        except OSError as e:  # one line, not a traceback, and nothing about free space
+            if _unusable_dir() == self.directory:  # the heartbeat has said it already
+                self._disabled = True
+                return False
+            self._off(f"{ENV_STATE_DIR}={self.directory} cannot be used ({e.strerror or e}); set "
+                      "it to a writable directory, or unset it")
+            return False
         free = _free_bytes(self.directory) + sum(_slot_sizes(self._my_dir()))
         if free < 2 * need + _MARGIN:
             self._off(f"two snapshots of this process's part of the state need "

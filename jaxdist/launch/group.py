@@ -335,6 +335,9 @@ class _Launcher:
             env.update(_placement.gpu_host_env(env, self._options.hang_timeout_s,
                                                shared=local_rank is None))
         env[ENV_RESTART_COUNT] = str(attempt)
+        env.pop("TORCHELASTIC_RESTART_COUNT", None)  # never the launcher's own (stale) value
+        if local_rank is not None:
+            env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # torchrun's name for it
         if local_rank is not None:  # a process of the SPMD job: `import jaxdist` joins it
             env[ENV_JOIN_ON_IMPORT] = "1"
         for name in (ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import collections
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -209,15 +210,31 @@ _create_lock = threading.Lock()
 
 def current() -> Heartbeat | None:
     """This process's heartbeat under ``jaxdist launch`` (created on first use), else None."""
-    global _current
+    global _current, _unusable
     if _current is None:
         directory = os.environ.get(ENV_STATE_DIR)
-        if not directory:
+        if not directory or directory == _unusable:
             return None
         with _create_lock:
             if _current is None:
-                _current = Heartbeat(directory, _rank())
+                try:
+                    _current = Heartbeat(directory, _rank())
+                except OSError as e:
+                    _unusable = directory  # said once, not at every step
+                    logging.getLogger(__name__).warning(
+                        "%s=%s cannot be used (%s): this process keeps no heartbeat and no "
+                        "in-memory state; set it to a writable directory, or unset it",
+                        ENV_STATE_DIR, directory, e.strerror or e)
+                    return None
     return _current
+
+
+_unusable: str | None = None  # a state directory that could not be used (warned once)
+
+
+def unusable_dir() -> str | None:
+    """The state directory this process found it cannot use (and said so), if any."""
+    return _unusable
 
 
 def _rank() -> int:
