@@ -335,6 +335,8 @@ def serve(address: str, *, token: str | None = None,
     >>> server.stop(0)
     True
     """
+    if _in_use(address):  # another agent serves it: gRPC would print its bind error (an E line)
+        return None
     store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
     # Bodies are read as a stream under limits (jaxdist.launch.receive): a caller that holds its
@@ -384,6 +386,27 @@ def serve(address: str, *, token: str | None = None,
     if register is not None:
         register(_stop_at_exit, weakref.ref(stoppable))
     return stoppable, port
+
+
+def _in_use(address: str) -> bool:
+    """Whether something already listens on ``address``'s port (bound as gRPC binds: with
+    SO_REUSEADDR, without SO_REUSEPORT); False when it cannot tell (gRPC then finds out)."""
+    try:
+        host, port = split_address(address)
+        if not port:
+            return False
+        family, kind, proto, _, where = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+    except OSError as e:
+        import errno
+
+        return e.errno == errno.EADDRINUSE
+    except (ValueError, IndexError):
+        return False
+    return False
 
 
 # -- clients ----------------------------------------------------------------------------------
