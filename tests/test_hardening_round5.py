@@ -69,6 +69,27 @@ def test_a_failing_rank_keeps_what_the_script_wrote_and_ends_the_job_at_once(tmp
         assert "custom hook: Traceback" in out, out
 
 
+@pytest.mark.multiprocess
+def test_fit_with_raw_arrays_is_one_job_across_the_processes():
+    # before: rank 1 failed in DistributedDataset._keep_on_device ("min() arg is an empty
+    # sequence"): the default strategy's one device was process 0's
+    script = str(ROOT / "tests" / "_mp_scripts" / "raw_arrays_fit.py")
+    result = launch.run([script], num_processes=2, devices_per_process=1, timeout_s=120,
+                        env=_env(JAXDIST_MEMORY_TIER="0"))
+    assert result.returncode == 0, result.output
+    losses = re.findall(r"\[(\d)\] rank \d loss (\S+)", result.output)
+    assert sorted(r for r, _ in losses) == ["0", "1"], result.output
+    assert losses[0][1] == losses[1][1], result.output
+    import jaxdist
+    from jaxdist import models
+
+    (x, y), _ = jaxdist.datasets.digits()
+    alone = jaxdist.fit(models.classifier_train_step,
+                        models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=0),
+                        (x[:256], y[:256]), batch_size=64, epochs=1, verbose=0)
+    assert float(losses[0][1]) == pytest.approx(alone.history["loss"][0], rel=1e-5)
+
+
 _RAISE_AT_7 = """
 import sys
 import jaxdist

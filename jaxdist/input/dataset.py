@@ -223,6 +223,8 @@ class DistributedDataset:
         if on_device is not None:
             return on_device
         devices = list(self.strategy.layout.batch.addressable_devices)
+        if not devices:  # nothing of the batch is this process's: nothing to place here
+            return False
         limits = []
         for d in devices:
             try:

@@ -188,11 +188,18 @@ def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Any:  # a Distribu
 
 
 def _strategy_of(step_fn: Callable, data: Any):
-    from jaxdist.strategy.mirrored import DefaultStrategy
+    from jaxdist.strategy.mirrored import DefaultStrategy, MirroredStrategy
 
     s = getattr(step_fn, "strategy", None)
     if s is None and isinstance(data, DistributedDataset):
         s = data.strategy
+    if s is None and jax.process_count() > 1:
+        # One job across the processes (as @jaxdist.mirrored under `jaxdist launch`): the
+        # default strategy's one device belongs to process 0, which every other process cannot
+        # place anything on.
+        logger.info("fit: a plain step in a %d-process job runs under MirroredStrategy() over "
+                    "the job's %d devices", jax.process_count(), jax.device_count())
+        return MirroredStrategy()
     return s or DefaultStrategy()
 
 
