@@ -256,3 +256,33 @@ def test_tensorboard_writes_only_on_process_0_and_validates_update_freq(tmp_path
     tb.on_epoch_end(info)
     tb.close()
     assert not (tmp_path / "p1").exists()
+
+
+@pytest.mark.parametrize("per_call", [1, 2])
+def test_profile_batch_traces_exactly_those_steps(tmp_path, per_call):
+    import collections
+    import gzip
+    import json
+
+    x, y = jaxdist.datasets.synthetic(80, shape=(6,))
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    tb = TensorBoard(str(tmp_path), profile_batch=(3, 6))
+    jaxdist.fit(s.step(models.classifier_train_step),
+                models.create_train_state(models.MLP(hidden=(8,)), x[:1], seed=0),
+                s.distribute((x, y), 10), epochs=1, verbose=0, callbacks=[tb],
+                steps_per_execution=per_call)
+    assert tb.traced == (3, 6)
+    (trace,) = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    assert glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))  # TensorBoard's
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = collections.Counter(e.get("name") for e in events)
+    # the step's gradient all-reduce runs once per step on each of the 2 devices
+    reduces = [c for n, c in names.items() if n and n.startswith("all-reduce")]
+    assert reduces and all(c == 4 * 2 for c in reduces), names.most_common(20)
+
+
+@pytest.mark.parametrize("bad", [(5, 2), (0, 3), "a,b", (1, 2, 3), -1])
+def test_a_bad_profile_batch_is_one_line(bad):
+    with pytest.raises(ValueError, match="profile_batch=.*expected 0 \\(no trace\\)"):
+        TensorBoard("/nonexistent", profile_batch=bad)

@@ -58,6 +58,30 @@ class ProgressBar(Callback):
             self._bar = None
 
 
+def _profile_steps(value: int | str | tuple[int, int]) -> tuple[int, int] | None:
+    """Keras's ``profile_batch`` as ``(start, stop)``, or None for no trace.
+
+    >>> _profile_steps(0), _profile_steps(3), _profile_steps("2,4"), _profile_steps((5, 8))
+    (None, (3, 3), (2, 4), (5, 8))
+    """
+    parts: tuple
+    if isinstance(value, str):
+        parts = tuple(p.strip() for p in value.split(","))
+    elif isinstance(value, (tuple, list)):
+        parts = tuple(value)
+    else:
+        parts = (value, value)
+    try:
+        start, stop = (int(p) for p in parts)
+        ok = len(parts) == 2 and not any(isinstance(p, bool) for p in parts)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (start, stop) != (0, 0) and not 1 <= start <= stop:
+        raise ValueError(f"TensorBoard profile_batch={value!r}; expected 0 (no trace), a step "
+                         "N >= 1, or (start, stop) with 1 <= start <= stop, e.g. (10, 20)")
+    return None if start == 0 else (start, stop)
+
+
 class TensorBoard(Callback):
     """Writes the epoch (and optionally batch) logs as TensorBoard scalars (process 0 only).
 
@@ -69,16 +93,25 @@ class TensorBoard(Callback):
     Args:
       log_dir: directory for the event files (created if missing).
       update_freq: ``"epoch"``, ``"batch"`` (every step) or an int N >= 1.
+      profile_batch: Keras's: ``(start, stop)`` (or one step N, or ``"start,stop"``) traces
+        optimizer steps ``start..stop`` (1-based, inclusive) with the JAX profiler, written under
+        ``log_dir/plugins/profile/<time>/`` (process 0): TensorBoard's profile plugin reads the
+        ``.xplane.pb``, Perfetto (ui.perfetto.dev) the ``perfetto_trace.json.gz``. ``0`` (the
+        default) traces nothing. With ``steps_per_execution=K`` the trace spans whole calls.
 
     Raises:
-      ValueError: a bad ``update_freq``.
+      ValueError: a bad ``update_freq`` or ``profile_batch``.
 
     >>> tb = TensorBoard("/tmp/jaxdist_logs", update_freq=100)
     >>> # jaxdist.fit(step, state, data, callbacks=[tb])
     >>> # then, in a shell: tensorboard --logdir /tmp/jaxdist_logs
     """
 
-    def __init__(self, log_dir: str, *, update_freq: int | str = "epoch"):
+    def __init__(self, log_dir: str, *, update_freq: int | str = "epoch",
+                 profile_batch: int | str | tuple[int, int] = 0):
+        self.profile_batch = _profile_steps(profile_batch)
+        self._tracing = False
+        self.traced: tuple[int, int] | None = None  # the first and last step the trace spans
         if update_freq == "batch":
             update_freq = 1
         if update_freq != "epoch" and not (isinstance(update_freq, int)
@@ -106,8 +139,30 @@ class TensorBoard(Callback):
 
     def on_train_begin(self, info: TrainInfo) -> None:
         self._open()
+        self._profile(info)
+
+    def _profile(self, info: TrainInfo) -> None:
+        """Starts the trace before the call that runs step ``start``; stops it once step
+        ``stop`` is done (waited for, so that its device work is in the trace)."""
+        if self.profile_batch is None or jax.process_index() != 0:
+            return
+        start, stop = self.profile_batch
+        if not self._tracing and self.traced is None and info.step < start <= \
+                info.step + info.steps_per_execution:
+            jax.block_until_ready(info.state)  # the steps before stay out of the trace
+            jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
+            self._tracing, self.traced = True, (info.step + 1, info.step + 1)
+        elif self._tracing and info.step >= stop:
+            jax.block_until_ready(info.state)
+            self._stop_trace(info.step)
+
+    def _stop_trace(self, last: int) -> None:
+        jax.profiler.stop_trace()
+        self._tracing = False
+        self.traced = (self.traced[0] if self.traced else last, last)
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
+        self._profile(info)
         f = self.update_freq
         # A multiple of N among the steps this call completed (one, or steps_per_execution).
         if isinstance(f, int) and info.step // f > (info.step - info.call_steps) // f and info.logs:
@@ -117,6 +172,8 @@ class TensorBoard(Callback):
         self._write("epoch", info.logs, info.epoch)
 
     def close(self) -> None:  # fit calls it last, also after an error: events stay readable
+        if self._tracing:  # training ended inside the traced steps: keep what was traced
+            self._stop_trace(self.traced[1] if self.traced else 0)
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
