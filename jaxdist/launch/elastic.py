@@ -82,6 +82,34 @@ def _resolve(host: str, port: int, timeout_s: float) -> None:
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
 
+ENV_HOST_TIMEOUT = "JAXDIST_RDZV_HOST_TIMEOUT"
+
+
+def host_timeout_from_env(environ=None) -> float:
+    """How long an agent may be silent before the others count its host lost: ``HOST_TIMEOUT_S``,
+    or ``$JAXDIST_RDZV_HOST_TIMEOUT`` seconds (for a loaded test machine or a slow network; a
+    larger value detects a lost host later). A bad value is one warning and the default.
+
+    >>> host_timeout_from_env({}), host_timeout_from_env({"JAXDIST_RDZV_HOST_TIMEOUT": "8"})
+    (3.0, 8.0)
+    """
+    text = (os.environ if environ is None else environ).get(ENV_HOST_TIMEOUT, "").strip()
+    if not text:
+        return HOST_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 4 * _BEAT_S and math.isfinite(value)):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s=%r: expected seconds >= %g (several heartbeats); using %g", ENV_HOST_TIMEOUT, text,
+            4 * _BEAT_S, HOST_TIMEOUT_S)
+        return HOST_TIMEOUT_S
+    return value
+
+
 class Agent:
     """One host's agent (used by ``jaxdist launch --nnodes``; ``launcher`` is its ``_Launcher``)."""
 

@@ -263,12 +263,13 @@ class _Launcher:
         code = 1
         try:
             if options.nnodes is not None:
-                from jaxdist.launch.elastic import Agent
+                from jaxdist.launch.elastic import Agent, host_timeout_from_env
 
                 code = Agent(self, nnodes=options.nnodes, endpoint=options.rdzv_endpoint,
                              rdzv_id=options.rdzv_id, nproc=options.num_processes,
                              max_restarts=options.max_restarts,
                              rdzv_timeout_s=options.rdzv_timeout_s,
+                             host_timeout_s=host_timeout_from_env(),
                              last_call_s=options.rdzv_last_call_s).run()
             else:
                 code = self._run_spmd(deadline)
