@@ -90,6 +90,25 @@ def test_fit_with_raw_arrays_is_one_job_across_the_processes():
     assert float(losses[0][1]) == pytest.approx(alone.history["loss"][0], rel=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["pool", "optout"])
+def test_only_the_launched_process_joins_on_import_and_the_opt_out_is_honoured(mode):
+    # before: a spawn pool started before `import jaxdist` inherited the join marker, its workers
+    # registered as the same rank and the coordination service aborted the job; and
+    # JAXDIST_JOIN_ON_IMPORT=0 did nothing (the launcher always set it to 1)
+    script = str(ROOT / "tests" / "_mp_scripts" / "join_corners.py")
+    extra = {"JAXDIST_JOIN_ON_IMPORT": "0"} if mode == "optout" else {}
+    result = launch.run([script, mode], num_processes=2, devices_per_process=1, timeout_s=120,
+                        env=_env(JAXDIST_MEMORY_TIER="0", **extra))
+    out = result.output
+    assert result.returncode == 0, out
+    assert re.findall(r"\[\d\] rank (\d) job of 2 total 2", out) in (["0", "1"], ["1", "0"]), out
+    if mode == "pool":
+        assert out.count("worker process_count 1") == 2, out
+    else:
+        assert out.count("joined on import False") == 2, out
+
+
 _RAISE_AT_7 = """
 import sys
 import jaxdist

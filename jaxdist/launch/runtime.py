@@ -114,7 +114,8 @@ def join_if_launched() -> ClusterSpec | None:
     Returns:
       The spec joined, or None when nothing was joined here.
     """
-    if os.environ.pop(ENV_JOIN_ON_IMPORT, "") != "1" or _current is not None:
+    if not _marked_for_this_process(os.environ.pop(ENV_JOIN_ON_IMPORT, "")) or \
+            _current is not None:
         return None
     try:
         spec = cluster_from_environment()
@@ -127,6 +128,22 @@ def join_if_launched() -> ClusterSpec | None:
     joined = initialize(spec)
     _accept_the_same_join(joined)
     return joined
+
+
+def _marked_for_this_process(marker: str) -> bool:
+    """Whether the join marker is meant for this process: ``launcher:<pid>`` when this process's
+    parent is that launcher (not a worker the script started, which inherits the marker when the
+    pool starts before ``import jaxdist``), ``1`` from a user's own environment.
+
+    >>> _marked_for_this_process("1"), _marked_for_this_process("0"), _marked_for_this_process("")
+    (True, False, False)
+    >>> _marked_for_this_process(f"launcher:{os.getppid()}"), _marked_for_this_process("launcher:1x")
+    (True, False)
+    """
+    if marker == "1":
+        return True
+    kind, _, pid = marker.partition(":")
+    return kind == "launcher" and pid.isdigit() and int(pid) == os.getppid()
 
 
 def _accept_the_same_join(joined: ClusterSpec) -> None:
