@@ -137,3 +137,54 @@ def test_parallel_writes_give_the_same_file_and_checksums(tmp_path, monkeypatch,
 def test_the_tier_writes_with_several_threads_beside_accelerators_only():
     assert memstate._write_threads(host_is_device=True) == 1
     assert memstate._write_threads(host_is_device=False) >= 1
+
+
+class _LateSnapshot:
+    """A device snapshot that is done ``after_s`` after the writer first waits for it (its step
+    is still running)."""
+
+    def __init__(self, after_s):
+        self.after_s, self.done = after_s, False
+
+    def is_ready(self):
+        return self.done
+
+    def block_until_ready(self):
+        import time
+
+        time.sleep(self.after_s)
+        self.done = True
+        return self
+
+
+def test_the_writer_times_a_copys_landing_from_its_snapshot(tmp_path, monkeypatch):
+    # before: a copy's landing was never measured, only estimated from the write speed
+    _as_accelerator(monkeypatch)
+    real = _copies._snapshot_to_host
+    late = []
+
+    def waits(blocks):
+        host, snap = real(blocks)
+        jax.block_until_ready(host)  # the host copy lands as soon as the snapshot is done
+        late.append(_LateSnapshot(0.05))
+        return host, [*snap, late[-1]]
+
+    monkeypatch.setattr(_overlap, "_snapshot_to_host", waits)
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    landed = []
+    monkeypatch.setattr(tier, "_first_save", _spy_landings(tier, tier._first_save, landed))
+    for k in range(1, 4):
+        tier.save(k, _state(k))
+        tier.flush()
+    tier.close()
+    # one per copy, the writer having waited for its snapshot (the warm-up copy at the start: not)
+    assert len(landed) == sum(s.done for s in late) == 3
+    assert all(0 <= s < 0.05 for s in landed)  # timed from the snapshot, not from the copy's start
+
+
+def _spy_landings(tier, first_save, landed):
+    def first(state):
+        ok = first_save(state)
+        tier._cadence.on_landed = landed.append
+        return ok
+    return first

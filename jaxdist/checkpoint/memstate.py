@@ -416,7 +416,13 @@ class StateTier:
                     return
                 copy, force = self._copies[0]
             arrays = copy.arrays()
+            held = copy.held or []
             try:
+                # The device snapshot is ready when its step is (it runs right after it): when
+                # the writer has to wait for it, the host copy's landing is timed from there.
+                timed = not all(a.is_ready() for a in held)
+                jax.block_until_ready(held)
+                snapped = time.perf_counter()
                 waited = not all(a.is_ready() for a in arrays)
                 jax.block_until_ready(arrays)
             except Exception as e:  # noqa: BLE001 - the tier never stops training
@@ -425,7 +431,10 @@ class StateTier:
                 logger.debug("the copy of step %d failed: %s", copy.step, e)
                 self._take(copy, landed=False)
                 continue
+            if timed:
+                self._cadence.on_landed(time.perf_counter() - snapped)
             # Landed: its device snapshot is not needed any more (not even while it is written).
+            del held
             copy = copy._replace(held=None)
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
