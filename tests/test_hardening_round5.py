@@ -152,7 +152,7 @@ def test_an_error_during_training_keeps_the_backup_whose_save_was_in_flight(tmp_
     assert "resumed from backup 5" in second.stdout, second.stdout + second.stderr
 
 
-def _fit_with_backup(backup_dir, epochs=1):
+def _fit_with_backup(backup_dir, epochs=1, delete_checkpoint=True):
     import jaxdist
     from jaxdist import models
 
@@ -160,7 +160,8 @@ def _fit_with_backup(backup_dir, epochs=1):
     x, y = x[:256], y[:256]
     strategy = jaxdist.MirroredStrategy()
     state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=1)
-    backup = jaxdist.callbacks.BackupAndRestore(str(backup_dir), every_n_steps=1000)
+    backup = jaxdist.callbacks.BackupAndRestore(str(backup_dir), every_n_steps=1000,
+                                                delete_checkpoint=delete_checkpoint)
     jaxdist.fit(strategy.step(models.classifier_train_step), state,
                 strategy.distribute((x, y), 64), epochs=epochs, callbacks=[backup], verbose=0)
     return backup
@@ -174,10 +175,12 @@ def test_a_kept_state_directory_is_not_resumed_by_another_job(tmp_path, monkeypa
     state_dir = tmp_path / "state"
     monkeypatch.setenv(memstate.ENV_STATE_DIR, str(state_dir))
     monkeypatch.setenv(memstate.ENV_EVERY, "1")
-    first = _fit_with_backup(tmp_path / "job-a")
+    # kept, as a job killed before the end leaves it (a job that completes clears it now)
+    first = _fit_with_backup(tmp_path / "job-a", delete_checkpoint=False)
     assert first.restored_from is None
     kept = sorted(os.listdir(state_dir))
-    again = _fit_with_backup(tmp_path / "job-a", epochs=2)  # the same job: resumes from memory
+    again = _fit_with_backup(tmp_path / "job-a", epochs=2,  # the same job: resumes from memory
+                             delete_checkpoint=False)
     assert again.restored_from == "memory", kept
     caplog.clear()
     other = _fit_with_backup(tmp_path / "job-b")

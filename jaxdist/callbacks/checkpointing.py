@@ -244,14 +244,29 @@ def _refuse_shared_folder(directory: str) -> None:
                 "os.path.join(out_dir, 'backup')")
 
 
-def remove_backup(manager, ours: set) -> None:
-    """Removes what a ``BackupAndRestore`` wrote to ``manager.directory``, and nothing else.
+def backup_steps(manager, ours: set) -> list[int]:
+    """The complete steps in ``manager.directory`` a ``BackupAndRestore`` wrote: those whose
+    metadata names it as their writer, and those in ``ours`` (saved or restored by this run).
+    Every process calls it (reading a step's metadata is a collective in Orbax)."""
+    steps = []
+    for step in manager.all_steps():
+        try:
+            writer = (manager.metadata(step).get("user") or {}).get("writer")
+        except Exception:  # noqa: BLE001 - unreadable: not provably ours, kept
+            writer = None
+        if writer == "BackupAndRestore" or step in ours:
+            steps.append(step)
+    return steps
 
-    Removed: complete step folders whose metadata names ``BackupAndRestore`` as their writer or
-    whose step is in ``ours`` (saved or restored by this run), Orbax's temporary folders, the
-    owner lock and the final-step marker. Anything else (the user's files, a step another
-    callback wrote, a damaged step moved aside) stays, and so does the folder then, in one log
-    line naming what is left.
+
+def remove_backup(manager, steps: list[int]) -> None:
+    """Removes what a ``BackupAndRestore`` wrote to ``manager.directory``, and nothing else
+    (process 0 calls it).
+
+    Removed: the step folders ``steps`` (``backup_steps``), Orbax's temporary folders, the owner
+    lock and the final-step marker. Anything else (the user's files, a step another callback
+    wrote, a damaged step moved aside) stays, and so does the folder then, in one log line
+    naming what is left.
     """
     import shutil
 
@@ -259,13 +274,8 @@ def remove_backup(manager, ours: set) -> None:
     from jaxdist.checkpoint.manager import OWNER_FILE
 
     directory = manager.directory
-    for step in manager.all_steps():
-        try:
-            writer = (manager.metadata(step).get("user") or {}).get("writer")
-        except Exception:  # noqa: BLE001 - unreadable: not provably ours, kept
-            writer = None
-        if writer == "BackupAndRestore" or step in ours:
-            shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
+    for step in steps:
+        shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
     names = os.listdir(directory) if os.path.isdir(directory) else []
     for name in names:
         if ".orbax-checkpoint-tmp" in name:
@@ -455,9 +465,12 @@ class BackupAndRestore(ModelCheckpoint):
             # a final state and train nothing; in both tiers (a kept state directory, too).
             # Unlike Keras, only what this callback wrote goes.
             self.memory.discard()
+            # Every process reads the steps' metadata (Orbax syncs the processes to read it);
+            # process 0 deletes.
+            doomed = backup_steps(self.manager,
+                                  ours={c.step for c in self.saved} | {self.restored_step})
             if jax.process_index() == 0:
-                remove_backup(self.manager,
-                              ours={c.step for c in self.saved} | {self.restored_step})
+                remove_backup(self.manager, doomed)
 
     def close(self) -> None:
         try:

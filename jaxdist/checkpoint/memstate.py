@@ -662,8 +662,9 @@ class StateTier:
     def discard(self) -> None:
         """Forgets this process's snapshots: a job that completed leaves nothing a later run
         could resume from (``BackupAndRestore(delete_checkpoint=True)``; every process calls it
-        for its own slots). The tier is off afterwards."""
-        if self.directory is None:
+        for its own slots). The tier is off afterwards. A tier that is off (another job's state
+        directory, which it refused; no room) leaves the directory as it is."""
+        if self.directory is None or self._disabled:
             return
         self._stop_threads()
         with self._write_lock:  # a write still under way finishes first

@@ -527,6 +527,18 @@ def _split_validation(data: Any, validation_split: float | None, validation_data
     return head, tail
 
 
+def _fit_parts(train_step: Callable, strategy, data: Any, group: int, batch_size: int | None,
+               shuffle: bool, seed: int, evaluate_with: tuple) -> tuple[Any, Any, tuple | None]:
+    """``fit``'s compiled step, training dataset and evaluation (see ``_evaluation``)."""
+    step = _as_step(train_step, strategy, donate=True)
+    dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
+    if group > 1:
+        _grouped_step(step, dataset, group, "fit")
+    eval_step, eval_data, validation_data, validation_batch_size = evaluate_with
+    return step, dataset, _evaluation(train_step, strategy, dataset, eval_step, eval_data,
+                                      validation_data, validation_batch_size, batch_size)
+
+
 def _resume(run: _Run) -> None:
     """Asks the callbacks whether to resume (at most one may) and says where training resumes."""
     info = run.info
@@ -653,9 +665,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         distributed with the step's strategy in batches of ``validation_batch_size`` (default:
         the training batch size) and evaluated with ``eval_step``, which may be left out for
         ``jaxdist.models.classifier_train_step`` (its ``classifier_eval_step`` is used).
-        Sample weights (a third element) are not supported.
-      validation_split: Keras's: the last fraction of in-memory ``(x, y)`` (taken before
-        shuffling) is held out and used as ``validation_data``.
+      validation_split: Keras's: the last fraction of in-memory ``(x, y)`` (before shuffling) is
+        held out as ``validation_data`` (whose sample weights are not supported).
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
       max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
@@ -707,14 +718,10 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
     check_max_in_flight(max_in_flight)
     group = _check_steps_per_execution(steps_per_execution)
     data, validation_data = _split_validation(data, validation_split, validation_data)
-    validation_data = _check_validation_data(validation_data)
     strategy = _strategy_of(train_step, data)
-    step = _as_step(train_step, strategy, donate=True)
-    dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
-    if group > 1:
-        _grouped_step(step, dataset, group, "fit")
-    evaluation = _evaluation(train_step, strategy, dataset, eval_step, eval_data, validation_data,
-                             validation_batch_size, batch_size)
+    step, dataset, evaluation = _fit_parts(
+        train_step, strategy, data, group, batch_size, shuffle, seed,
+        (eval_step, eval_data, _check_validation_data(validation_data), validation_batch_size))
     # A step that trains elsewhere (ParameterServerStrategy's) brings callbacks that drive its
     # cluster: join at epoch end and hand back the trained state, as Keras's fit does.
     cbs = [*getattr(step, "callbacks", ()), *callbacks]
