@@ -11,7 +11,8 @@ import sys
 import jax
 
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
-from jaxdist.callbacks.save_policy import (
+from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.checkpoint.save_policy import (
     AnyOf,
     BestMetric,
     EveryNEpochs,
@@ -20,7 +21,6 @@ from jaxdist.callbacks.save_policy import (
     SavePolicy,
     resolve_mode,
 )
-from jaxdist.checkpoint.memstate import StateTier
 from jaxdist.checkpoint.tier_policy import MemoryTier
 from jaxdist.launch import heartbeat
 
