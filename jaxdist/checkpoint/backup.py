@@ -15,6 +15,8 @@ import sys
 import threading
 from collections.abc import Collection
 
+import jax
+
 from jaxdist.checkpoint.evaluator import FINAL_MARKER
 from jaxdist.checkpoint.manager import OWNER_FILE, CheckpointManager
 
@@ -66,16 +68,25 @@ def remove_backup(manager: CheckpointManager, ours: Collection, *,
     is in ``ours`` (saved or restored by this run), Orbax's temporary folders, the owner lock and
     the final-step marker. Anything else (the user's files, a step another callback wrote, a
     damaged step moved aside) stays, and so does the folder then, in one log line naming what is
-    left. Process 0 calls it (the folder is shared).
+    left.
+
+    Every process calls it, with the same ``ours``: reading a step's metadata is a collective in
+    Orbax (a barrier after each read), so process 0 alone would wait there for ever; process 0
+    removes, once every process has read.
     """
     directory = manager.directory
+    doomed = []
     for step in manager.all_steps():
         try:
             wrote = (manager.metadata(step).get("user") or {}).get("writer")
         except Exception:  # noqa: BLE001 - unreadable: not provably ours, kept
             wrote = None
         if wrote == writer or step in ours:
-            shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
+            doomed.append(step)
+    if jax.process_index() != 0:
+        return
+    for step in doomed:
+        shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
     names = os.listdir(directory) if os.path.isdir(directory) else []
     for name in names:
         if ".orbax-checkpoint-tmp" in name:

@@ -332,17 +332,17 @@ class TieredCheckpointManager:
 
         Only what this manager's writer wrote (or this run saved or restored) is removed from the
         backup folder, and the folder only when nothing else is left in it. Every process calls
-        it (each discards its own memory copies; process 0 removes the backup).
+        it (each discards its own memory copies and reads the backup's steps; process 0 removes
+        them).
         """
         self.backup.wait_until_finished()
         if self.last_saved is not None and jax.process_index() == 0:
             mark_final(self.backup.directory, self.last_saved)  # a side-car evaluator stops here
         if delete:
             self.memory.discard()
-            if jax.process_index() == 0:
-                ours = {c.step for c in self.saved} | (
-                    {self.restored.step} if self.restored is not None else set())
-                remove_backup(self.backup, ours, writer=self.writer)
+            ours = {c.step for c in self.saved} | (
+                {self.restored.step} if self.restored is not None else set())
+            remove_backup(self.backup, ours, writer=self.writer)  # every process: it reads
 
     def close(self) -> None:
         """Waits for saves in flight (at most ``jaxdist.checkpoint.backup.FINISH_S``, reporting a
