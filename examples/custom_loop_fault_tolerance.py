@@ -53,7 +53,8 @@ def main():
     ap.add_argument("--kill-at", type=int, default=0, help="process 1 dies after this step (first attempt)")
     ap.add_argument("--out", help="where process 0 writes the final parameters (.npz)")
     args = ap.parse_args()
-    logging.basicConfig(format="%(message)s")
+    # force: importing Orbax has already given the root logger absl's default handler
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("jaxdist.checkpoint.tiered").setLevel(logging.INFO)  # its one resume line
 
     strategy = train_step.strategy
