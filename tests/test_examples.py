@@ -73,6 +73,8 @@ CHECKS = {
     and re.search(r"the three-host round after the join trained steps \d+\.\.32\b", out)
     and "same parameters as the uninterrupted run (max abs difference" in out
     and re.search(r"steps computed again: [01]\b", out),
+    "custom_loop_fault_tolerance.py": lambda out: "attempt 0: fresh start" in out
+    and re.search(r"finished at step 36 on \d+ replicas", out) and _accuracy(out) > 0.7,
     "mixed_precision.py": lambda out: "mixed_bfloat16, 4 micro-batches of 64: best checkpoint "
     "test accuracy" in out and _accuracy(out) > 0.9,
     "cnn_mnist.py": lambda out: "CNN, 8 replicas" in out and _accuracy(out) > 0.8,

@@ -2,7 +2,7 @@
 
 * :mod:`~jaxdist.callbacks.core`: the protocol (``Callback``, ``TrainInfo``, ``Resume``).
 * :mod:`~jaxdist.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore`` and the save
-  policies of :mod:`~jaxdist.callbacks.save_policy`.
+  policies of :mod:`~jaxdist.checkpoint.save_policy` (the persistent tier's policy type).
 * :mod:`~jaxdist.callbacks.schedules`: ``LearningRateScheduler``, ``EarlyStopping``, ``TerminateOnNaN``.
 * :mod:`~jaxdist.callbacks.reporting`: ``ProgressBar``, ``TensorBoard``.
 
@@ -21,16 +21,16 @@ from jaxdist.callbacks.core import Resume as Resume
 from jaxdist.callbacks.core import TrainInfo as TrainInfo
 from jaxdist.callbacks.reporting import ProgressBar as ProgressBar
 from jaxdist.callbacks.reporting import TensorBoard as TensorBoard
-from jaxdist.callbacks.save_policy import AnyOf as AnyOf
-from jaxdist.callbacks.save_policy import BestMetric as BestMetric
-from jaxdist.callbacks.save_policy import EveryNEpochs as EveryNEpochs
-from jaxdist.callbacks.save_policy import EveryNSteps as EveryNSteps
-from jaxdist.callbacks.save_policy import SaveCandidate as SaveCandidate
-from jaxdist.callbacks.save_policy import SavePolicy as SavePolicy
 from jaxdist.callbacks.schedules import EarlyStopping as EarlyStopping
 from jaxdist.callbacks.schedules import LearningRateScheduler as LearningRateScheduler
 from jaxdist.callbacks.schedules import TerminateOnNaN as TerminateOnNaN
 from jaxdist.callbacks.schedules import get_hyperparam as get_hyperparam
+from jaxdist.checkpoint.save_policy import AnyOf as AnyOf
+from jaxdist.checkpoint.save_policy import BestMetric as BestMetric
+from jaxdist.checkpoint.save_policy import EveryNEpochs as EveryNEpochs
+from jaxdist.checkpoint.save_policy import EveryNSteps as EveryNSteps
+from jaxdist.checkpoint.save_policy import SaveCandidate as SaveCandidate
+from jaxdist.checkpoint.save_policy import SavePolicy as SavePolicy
 from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 
 __all__ = ["AnyOf", "BackupAndRestore", "BestMetric", "Callback", "EarlyStopping", "EveryNEpochs",

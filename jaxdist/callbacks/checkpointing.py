@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 
 import jax
 
 from jaxdist.callbacks.core import Callback, Resume, TrainInfo
-from jaxdist.callbacks.save_policy import (
+from jaxdist.checkpoint.backup import finish_saves, refuse_shared_folder
+from jaxdist.checkpoint.backup import remove_backup as remove_backup
+from jaxdist.checkpoint.manager import CheckpointManager
+from jaxdist.checkpoint.save_policy import (
     AnyOf,
     BestMetric,
     EveryNEpochs,
@@ -20,8 +20,8 @@ from jaxdist.callbacks.save_policy import (
     SavePolicy,
     resolve_mode,
 )
-from jaxdist.checkpoint.memstate import StateTier
 from jaxdist.checkpoint.tier_policy import MemoryTier
+from jaxdist.checkpoint.tiered import TieredCheckpointManager
 from jaxdist.launch import heartbeat
 
 logger = logging.getLogger(__name__)
@@ -33,45 +33,6 @@ class TrainingPreempted(SystemExit):
     It is a ``SystemExit``: uncaught, the process exits with ``code`` (0 by default, a clean exit);
     rerunning the same command resumes from the checkpoint.
     """
-
-
-class _PreemptionNotice:
-    """Whether every process has agreed to stop at this step.
-
-    Across processes, JAX's preemption sync manager (started by ``jax.distributed.initialize``)
-    catches SIGTERM and picks a step that every process reaches; on one process a SIGTERM handler
-    sets a flag that the next step boundary reads.
-    """
-
-    def __init__(self):
-        self._flag = False
-        self._previous = None
-
-    def install(self) -> None:
-        import signal
-        import threading
-
-        if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-            return
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        logger.warning("SIGTERM received: saving a checkpoint at the next step boundary")
-        self._flag = True
-
-    def uninstall(self) -> None:
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def reached(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self._flag
 
 
 class ModelCheckpoint(Callback):
@@ -117,8 +78,6 @@ class ModelCheckpoint(Callback):
                  every_n_steps: int | None = None, save_at_epoch_end: bool = True,
                  policy: SavePolicy | None = None, max_to_keep: int | None = 3,
                  keep: str = "latest", async_save: bool = True):
-        from jaxdist.checkpoint.manager import CheckpointManager
-
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
@@ -211,7 +170,7 @@ class ModelCheckpoint(Callback):
         # fit calls it last, also after an error: a save still in flight then finishes (the rerun
         # resumes from it) or is reported lost in one line, rather than dying with the
         # interpreter and leaving only its temporary directory.
-        _finish_saves(self.manager)
+        finish_saves(self.manager)
 
     def on_train_end(self, info: TrainInfo) -> None:
         self.manager.wait_until_finished()
@@ -220,102 +179,6 @@ class ModelCheckpoint(Callback):
 
             # A side-car evaluator (jaxdist evaluate --watch) stops after this step.
             mark_final(self.manager.directory, self._last_saved)
-
-
-def _refuse_shared_folder(directory: str) -> None:
-    """Raises when ``directory`` is a folder a backup must not own (its cleanup would sit among
-    the user's own files): the working directory, the home directory, or any folder holding the
-    working directory or the running script."""
-    if "://" in str(directory):
-        return
-    path = os.path.realpath(os.fspath(directory) or ".")
-    cwd = os.path.realpath(os.getcwd())
-    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
-    places = [("the working directory", cwd), ("the home directory",
-                                               os.path.realpath(os.path.expanduser("~")))]
-    if script and os.path.exists(script):
-        places.append(("the folder of the running script", os.path.dirname(os.path.realpath(script))))
-    for what, place in places:
-        if place == path or place.startswith(path.rstrip(os.sep) + os.sep):
-            how = "is" if place == path else "holds"
-            raise ValueError(
-                f"BackupAndRestore({os.fspath(directory)!r}): that folder ({path}) {how} {what}; "
-                "a backup needs a folder of its own, e.g. BackupAndRestore('backup') or "
-                "os.path.join(out_dir, 'backup')")
-
-
-def backup_steps(manager, ours: set) -> list[int]:
-    """The complete steps in ``manager.directory`` a ``BackupAndRestore`` wrote: those whose
-    metadata names it as their writer, and those in ``ours`` (saved or restored by this run).
-    Every process calls it (reading a step's metadata is a collective in Orbax)."""
-    steps = []
-    for step in manager.all_steps():
-        try:
-            writer = (manager.metadata(step).get("user") or {}).get("writer")
-        except Exception:  # noqa: BLE001 - unreadable: not provably ours, kept
-            writer = None
-        if writer == "BackupAndRestore" or step in ours:
-            steps.append(step)
-    return steps
-
-
-def remove_backup(manager, steps: list[int]) -> None:
-    """Removes what a ``BackupAndRestore`` wrote to ``manager.directory``, and nothing else
-    (process 0 calls it).
-
-    Removed: the step folders ``steps`` (``backup_steps``), Orbax's temporary folders, the owner
-    lock and the final-step marker. Anything else (the user's files, a step another callback
-    wrote, a damaged step moved aside) stays, and so does the folder then, in one log line
-    naming what is left.
-    """
-    import shutil
-
-    from jaxdist.checkpoint.evaluator import FINAL_MARKER
-    from jaxdist.checkpoint.manager import OWNER_FILE
-
-    directory = manager.directory
-    for step in steps:
-        shutil.rmtree(os.path.join(directory, manager.step_name(step)), ignore_errors=True)
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    for name in names:
-        if ".orbax-checkpoint-tmp" in name:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        elif name in (OWNER_FILE, FINAL_MARKER):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
-    left = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    if left:
-        logger.info("backup removed from %s; the folder stays: it holds %d thing(s) the backup did "
-                    "not write (%s)", directory, len(left), ", ".join(left[:5]))
-    else:
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-
-
-_FINISH_S = 120.0  # how long an ending fit waits for a save in flight (its peers may be gone)
-
-
-def _finish_saves(manager) -> None:
-    """Waits (at most ``_FINISH_S``) for ``manager``'s saves in flight; a save that fails or does
-    not finish is reported in one warning line, never raised over the error that ended ``fit``."""
-    import threading
-
-    failed: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            manager.wait_until_finished()
-        except BaseException as e:  # noqa: BLE001 - reported below, in one line
-            failed.append(e)
-    waiter = threading.Thread(target=wait, name="jaxdist-finish-saves", daemon=True)
-    waiter.start()
-    waiter.join(_FINISH_S)
-    if waiter.is_alive():
-        logger.warning("a checkpoint save in %s did not finish within %g s (a peer process "
-                       "gone?); that step is lost, the rerun resumes from an older one",
-                       manager.directory, _FINISH_S)
-    elif failed:
-        logger.warning("%s", str(failed[0]).splitlines()[0] if str(failed[0]) else failed[0])
 
 
 def _state_step(state, default: int) -> int:
@@ -330,7 +193,7 @@ def _state_step(state, default: int) -> int:
     return int(value) if value.ndim == 0 and value.dtype.kind in "iu" else default
 
 
-class BackupAndRestore(ModelCheckpoint):
+class BackupAndRestore(Callback):
     """Resumes an interrupted ``fit`` exactly where its last backup left it; saves on SIGTERM.
 
     At the start of training, if ``directory`` holds a backup, the state, the step counter and the
@@ -347,6 +210,10 @@ class BackupAndRestore(ModelCheckpoint):
     gone. On a preemption notice (SIGTERM; agreed across processes), or a stop the elastic agents
     agreed on, the tier and a backup are written at the next step boundary, made durable, and
     ``TrainingPreempted`` ends the process cleanly.
+
+    A thin callback over :class:`jaxdist.checkpoint.TieredCheckpointManager` (``tiered``): every
+    choice between the two tiers is that manager's, and a custom loop gets the same by calling it
+    (``docs/guides/fault_tolerance.md``, "Custom loops").
 
     Args:
       directory: backup directory (shared by all processes).
@@ -375,108 +242,83 @@ class BackupAndRestore(ModelCheckpoint):
     def __init__(self, directory: str, *, every_n_steps: int | None = None,
                  delete_checkpoint: bool = True, delete_on_success: bool | None = None,
                  preemption_exit_code: int = 0, memory_tier: MemoryTier | None = None):
-        _refuse_shared_folder(directory)
-        super().__init__(directory, every_n_steps=every_n_steps, max_to_keep=2)
-        self.policy = AnyOf(*([EveryNSteps(every_n_steps)] if every_n_steps else []),
-                            EveryNEpochs())
+        refuse_shared_folder(directory, type(self).__name__)
+        self.tiered = TieredCheckpointManager(directory, every_n_steps=every_n_steps,
+                                              memory_tier=memory_tier, writer=type(self).__name__)
         self._delete = delete_checkpoint if delete_on_success is None else delete_on_success
         self._exit_code = preemption_exit_code
-        self._notice = _PreemptionNotice()
         self.restored_step: int | None = None
-        self.restored_from: str | None = None
-        self.memory_step: int | None = None  # the in-memory tier's newest step at the start
-        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
-            raise TypeError(f"memory_tier={memory_tier!r}: expected jaxdist.callbacks.MemoryTier("
-                            "every=..., budget=..., enabled=...)")
-        self.memory_tier = memory_tier if memory_tier is not None else MemoryTier.from_env()
-        self.memory = StateTier(policy=self.memory_tier)
-        # The tier's snapshots belong to this job: the one that backs up here.
-        self.memory.owner = directory if "://" in str(directory) else os.path.realpath(directory)
+        self.restored_from: str | None = None  # "memory" or "backup"
 
-    def on_train_begin(self, info: TrainInfo) -> Resume | None:  # type: ignore[override]
-        self._notice.install()
-        self.saved = []
-        resume = self._resume(info)
-        beat = heartbeat.current()
-        if beat is not None:  # the launcher counts steps from where this run starts
-            beat.set_step(resume.step if resume is not None else info.step)
-        return resume
+    # The callback's attributes are the manager's own (one state, read and set through either).
+    manager = property(lambda self: self.tiered.backup, doc="The backup's ``CheckpointManager``.")
+    memory_tier = property(lambda self: self.tiered.memory_tier,
+                           doc="The in-memory tier's policy (``MemoryTier``).")
+    memory_step = property(lambda self: self.tiered.memory_step,
+                           doc="The in-memory tier's newest step at the start (None: it held none).")
 
-    def _resume(self, info: TrainInfo) -> Resume | None:
-        snap = self.memory.resume(info.state, info.strategy)
-        disk = self.manager.latest_step()
-        self.memory_step = snap.step if snap is not None else None
-        if snap is not None and (disk is None or snap.step >= disk):
-            data = snap.data_state or {}
-            self.restored_step, self.restored_from = snap.step, "memory"
-            logger.info("restored step %d from memory (epoch %d, batch %d)", snap.step,
-                        data.get("epoch", 0), data.get("position", 0))
-            return Resume(state=snap.state, step=snap.step, epoch=data.get("epoch", info.epoch),
-                          position=data.get("position", 0), source=f"memory:{snap.step}")
-        # The newest backup that restores intact: a corrupt or half-written newer one is skipped
-        # with a warning naming it, so a restarted job resumes instead of failing every restart.
-        found = self.manager.restore_latest(target=info.state, strategy=info.strategy)
+    @property
+    def memory(self):
+        """The in-memory tier (``jaxdist.memstate.StateTier``)."""
+        return self.tiered.memory
+
+    @memory.setter
+    def memory(self, tier) -> None:
+        self.tiered.memory = tier
+
+    @property
+    def policy(self) -> SavePolicy:
+        """When the backup saves (``AnyOf(EveryNSteps(every_n_steps), EveryNEpochs())``)."""
+        return self.tiered.policy
+
+    @policy.setter
+    def policy(self, policy: SavePolicy) -> None:
+        self.tiered.policy = policy
+
+    @property
+    def saved(self) -> list[SaveCandidate]:
+        """The backups this ``fit`` saved, oldest first."""
+        return self.tiered.saved
+
+    @saved.setter
+    def saved(self, saved: list[SaveCandidate]) -> None:
+        self.tiered.saved = saved
+
+    def on_train_begin(self, info: TrainInfo) -> Resume | None:
+        found = self.tiered.restore_latest(info.state, info.strategy)
         if found is None:
+            beat = heartbeat.current()
+            if beat is not None:  # the launcher counts steps from where this run starts
+                beat.set_step(info.step)
             return None
-        step, state, meta = found
-        data = meta.get("data") or {}
-        resume = Resume(state=state, step=meta["step"], epoch=data.get("epoch", info.epoch),
-                        position=data.get("position", 0), source=step)
-        self.restored_step, self.restored_from = step, "backup"
-        if snap is not None:
-            logger.info("the in-memory tier's newest step (%d) is older than backup step %d: "
-                        "resuming from the backup", snap.step, step)
-        logger.info("restored backup step %d (epoch %d, batch %d)", step, resume.epoch,
-                    resume.position)
-        return resume
+        self.restored_step, self.restored_from = found.step, found.source
+        data = found.position or {}
+        return Resume(state=found.state, step=found.step, epoch=data.get("epoch", info.epoch),
+                      position=data.get("position", 0),
+                      source=f"memory:{found.step}" if found.source == "memory" else found.step)
 
     def on_train_batch_end(self, info: TrainInfo) -> None:
-        super().on_train_batch_end(info)
         position = info.iterator.state() if info.iterator is not None else None
-        stop = self.memory.stop_step()
-        # With steps_per_execution=K a call ends every K steps: stop at the first end at or past
-        # the step asked for (every process ends its calls at the same steps).
-        if stop is not None and info.step >= stop:
-            if info.step - info.call_steps >= stop:
-                raise RuntimeError(f"the launcher asked to stop at step {stop}, seen only at step "
-                                   f"{info.step}; handled as a failure (resumes from memory)")
-            # Every process stops here (the elastic agents agreed on the step): the job re-forms,
-            # from this very step (the tier's snapshot of it, forced and waited for).
-            logger.info("stopping at step %d to re-form the job", stop)
-            self.memory.save(info.step, info.state, position, force=True)
-            self.memory.flush()
-            self._save(info)
-            self.manager.wait_until_finished()
-            raise TrainingPreempted(0)
-        # Every step of the call is offered, in order: JAX's preemption sync point is one step.
-        if any([self._notice.reached(s)
-                for s in range(info.step - info.call_steps + 1, info.step + 1)]):
-            self.memory.save(info.step, info.state, position, force=True)
-            self.memory.flush()
-            self._save(info)
-            self.manager.wait_until_finished()
-            raise TrainingPreempted(self._exit_code)  # fit's cleanup calls close()
-        self.memory.save(info.step, info.state, position)
+        if self.tiered.should_stop(info.step, steps=info.call_steps):
+            self.tiered.stop(info.step, info.state, position, epoch=info.epoch, logs=info.logs)
+            # A stop the elastic agents agreed on re-forms the job (status 0); a preemption
+            # exits with the status asked for. fit's cleanup calls close().
+            raise TrainingPreempted(0 if self.tiered.stop_reason == "reform" else self._exit_code)
+        self.tiered.save(info.step, info.state, position, epoch=info.epoch, logs=info.logs,
+                         steps=info.call_steps)
+
+    def on_epoch_end(self, info: TrainInfo) -> None:
+        # After an epoch ends, the next batch to train on is the first of the next epoch.
+        self.tiered.save(info.step, info.state, {"epoch": info.epoch + 1, "position": 0},
+                         epoch=info.epoch, epoch_end=True, logs=info.logs, steps=info.call_steps)
 
     def on_train_end(self, info: TrainInfo) -> None:
-        super().on_train_end(info)
-        if self._delete:
-            # Keras's default: the run is complete, so a rerun starts afresh rather than restore
-            # a final state and train nothing; in both tiers (a kept state directory, too).
-            # Unlike Keras, only what this callback wrote goes.
-            self.memory.discard()
-            # Every process reads the steps' metadata (Orbax syncs the processes to read it);
-            # process 0 deletes.
-            doomed = backup_steps(self.manager,
-                                  ours={c.step for c in self.saved} | {self.restored_step})
-            if jax.process_index() == 0:
-                remove_backup(self.manager, doomed)
+        # delete: Keras's default, the run is complete, so a rerun starts afresh rather than
+        # restore a final state and train nothing; in both tiers (a kept state directory, too).
+        # Unlike Keras, only what this callback wrote goes.
+        self.tiered.finish(delete=self._delete)
 
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._notice.uninstall()
-            self.memory.close()
-
-
+        # fit calls it last, also after an error: a save still in flight then finishes (the rerun
+        # resumes from it) or is reported lost in one line.
+        self.tiered.close()

@@ -1,11 +1,15 @@
-"""Checkpoints: Orbax-backed saves that restore on any device count and any ``zero_stage``, their
-integrity checks, the side-car evaluator that follows a checkpoint directory
-(``jaxdist.evaluator``), and the in-memory tier (``memstate``: recent steps in host memory, where a
-restarted process finds them).
+"""Checkpoints: both fault-tolerance tiers and the manager over them.
+
+Orbax-backed saves that restore on any device count and any ``zero_stage`` (``manager``) and their
+integrity checks, the in-memory tier (``memstate``: recent steps in host memory, where a restarted
+process finds them), each tier's policy (``save_policy``, ``tier_policy``), the manager over both
+tiers that ``BackupAndRestore`` and custom loops use (``tiered``: save, restore the newer copy,
+stop on a preemption), and the side-car evaluator that follows a checkpoint directory
+(``jaxdist.evaluator``).
 
 >>> import jaxdist
->>> jaxdist.checkpoint.CheckpointManager.__name__
-'CheckpointManager'
+>>> jaxdist.checkpoint.CheckpointManager.__name__, jaxdist.checkpoint.TieredCheckpointManager.__name__
+('CheckpointManager', 'TieredCheckpointManager')
 """
 
 from jaxdist.checkpoint.manager import OWNER_FILE as OWNER_FILE
@@ -15,5 +19,8 @@ from jaxdist.checkpoint.manager import (
     CheckpointMismatchError as CheckpointMismatchError,
 )
 from jaxdist.checkpoint.manager import Restored as Restored
+from jaxdist.checkpoint.tiered import TieredCheckpointManager as TieredCheckpointManager
+from jaxdist.checkpoint.tiered import TieredRestored as TieredRestored
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "Restored"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "Restored",
+           "TieredCheckpointManager", "TieredRestored"]

@@ -2,8 +2,8 @@
 
 Under ``jaxdist launch`` every process gets ``JAXDIST_STATE_DIR``, a host-local directory in
 shared memory (``/dev/shm`` where it exists) that outlives the processes but not the host.
-``BackupAndRestore`` (or a custom loop) calls :meth:`StateTier.save` after each step; every few
-steps it takes a snapshot:
+``TieredCheckpointManager.save`` (``BackupAndRestore``'s, or a custom loop's) calls
+:meth:`StateTier.save` after each step; every few steps it takes a snapshot:
 
 * on the loop's thread, only an asynchronous copy of the state's arrays to host memory is
   *dispatched* (``jax.device_put`` to the ``pinned_host`` memory kind: on a GPU the copy engine

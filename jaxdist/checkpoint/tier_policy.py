@@ -1,7 +1,8 @@
 """How often the in-memory tier copies the state: a policy value, set in code or by environment.
 
-``jaxdist.callbacks.BackupAndRestore(dir, memory_tier=MemoryTier(...))`` (or
-``jaxdist.memstate.StateTier(policy=...)`` in a custom loop) takes one; without one, the
+``jaxdist.callbacks.BackupAndRestore(dir, memory_tier=MemoryTier(...))`` (or, in a custom loop,
+``jaxdist.checkpoint.TieredCheckpointManager(dir, memory_tier=...)`` or
+``jaxdist.memstate.StateTier(policy=...)``) takes one; without one, the
 environment says (``JAXDIST_MEMORY_TIER=0``, ``JAXDIST_MEMORY_TIER_EVERY``,
 ``JAXDIST_MEMORY_TIER_BUDGET``: :meth:`MemoryTier.from_env`), as ``jaxdist launch`` users set it.
 Like the save policies beside it (``jaxdist.callbacks.SavePolicy``), it is a small frozen value:
