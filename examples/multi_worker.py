@@ -7,6 +7,8 @@ or as one plain process. Rerun the same command after a kill and it resumes wher
 """
 
 import argparse
+import os
+import tempfile
 
 import jaxdist
 
@@ -19,7 +21,8 @@ from jaxdist import models  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backup", default="/tmp/jaxdist-multi-worker-backup")
+    ap.add_argument("--backup", default=os.path.join(tempfile.gettempdir(),
+                                                     "jaxdist-multi-worker-backup"))
     ap.add_argument("--epochs", type=int, default=10)
     args = ap.parse_args()
 

@@ -77,3 +77,16 @@ def elastic_reference(tmp_path_factory):
     from tests.test_elastic_multihost import reference_run
 
     return reference_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def train_resume_1x4(tmp_path_factory):
+    """``tests/_scripts/train_resume.py``'s uninterrupted run in one process on 4 devices, default
+    options: the reference that test_checkpoint, test_multi_worker and test_steps_per_execution
+    compare with (run once per session; it was run three times)."""
+    folder = tmp_path_factory.mktemp("train_resume_1x4")
+    out = folder / "one.npz"
+    proc = run_python([os.path.join(REPO, "tests", "_scripts", "train_resume.py"), "--backup",
+                       str(folder / "backup"), "--out", str(out)], timeout=240, devices=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -112,7 +112,8 @@ def test_example_runs_as_examples_readme_says(name, tmp_path):
     result = CHECKS[name](out.stdout)
     assert result is None or result, f"{command} did not print what it promises:\n" \
                                      f"{out.stdout[-3000:]}"
-    # mixed_precision.py left a jaxdist-mp-* checkpoint folder in /tmp on every run. (A launcher's
+    # mixed_precision.py left a jaxdist-mp-* checkpoint folder in /tmp on every run; a backup
+    # (multi_worker.py's, in the temporary directory by default) is deleted after success. (A launcher's
     # jaxdist-state-* folder, /dev/shm where there is one, and its jaxdist-xla-cache-* compile
     # cache outlive a launcher the fault-tolerance examples SIGKILL on purpose; the next launcher
     # removes those whose launcher is gone.)

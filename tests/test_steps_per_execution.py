@@ -383,7 +383,8 @@ def test_an_iterable_and_an_input_function_group_alike(digits):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_2x2_processes_group_like_one_process_and_resume_at_a_k_boundary(tmp_path):
+def test_2x2_processes_group_like_one_process_and_resume_at_a_k_boundary(tmp_path,
+                                                                          train_resume_1x4):
     from jaxdist import launch
     from tests.conftest import REPO
 
@@ -401,10 +402,7 @@ def test_2x2_processes_group_like_one_process_and_resume_at_a_k_boundary(tmp_pat
 
     # 8 batches an epoch (the last padded): calls end on steps 3, 6, 8, 11, 14, 16, ... 24.
     _, grouped = run("ref")
-    one = run_python([script, "--backup", str(tmp_path / "one_b"), "--out",
-                      str(tmp_path / "one.npz")], timeout=240, devices=4)
-    assert one.returncode == 0, one.stderr[-3000:]
-    single = np.load(tmp_path / "one.npz")
+    single = np.load(train_resume_1x4)  # one process x 4 devices, K=1 (the session's run)
     assert int(grouped["step"]) == int(single["step"]) == 24
     for k in single.files:
         if k not in ("restored", "step"):
