@@ -187,6 +187,7 @@ class StateTier:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._disabled = self.directory is None
+        self._discarded = False  # a completed job's copies were removed (discard)
         self._checked = False
         self._fingerprint: str | None = None
         self._last_copied: int | None = None
@@ -247,7 +248,7 @@ class StateTier:
           data_state: the input position after that step (``iterator.state()``).
           force: copy and persist this step.
         """
-        if self._disabled:
+        if self._disabled or self._discarded:
             return False
         if not self._checked and not self._first_save(state):
             return False
@@ -662,10 +663,12 @@ class StateTier:
     def discard(self) -> None:
         """Forgets this process's snapshots: a job that completed leaves nothing a later run
         could resume from (``BackupAndRestore(delete_checkpoint=True)``; every process calls it
-        for its own slots). The tier is off afterwards. A tier that is off (another job's state
-        directory, which it refused; no room) leaves the directory as it is."""
+        for its own slots). It saves nothing afterwards (``enabled`` still says whether it ran). A
+        tier that is off (another job's state directory, which it refused; no room) leaves the
+        directory as it is."""
         if self.directory is None or self._disabled:
             return
+        self._discarded = True
         self._stop_threads()
         with self._write_lock:  # a write still under way finishes first
             for slot in range(_slots.SLOTS):
@@ -676,7 +679,6 @@ class StateTier:
         if self.rank() == 0:
             with contextlib.suppress(OSError):
                 os.remove(_owner_path(self.directory))
-        self._disabled = True
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Writes the newest copy (waiting at most ``timeout_s`` for copies whose step may never
