@@ -179,7 +179,12 @@ def _ring(x: jax.Array, *, axes: tuple[str, ...], n: int, accum: Any) -> jax.Arr
         mine = lax.dynamic_index_in_dim(chunks, k, keepdims=False)
         return lax.dynamic_update_index_in_dim(chunks, mine + received, k, 0)
 
-    chunks = lax.fori_loop(0, n - 1, scatter_hop, chunks)
+    # Unrolled on XLA:CPU: an executable holding a collective-permute inside a while loop aborts
+    # XLA:CPU's rendezvous when read back from JAX's persistent compilation cache ("Id can't be
+    # larger than the number of participating threads"; jax 0.10.2), which jaxdist train and
+    # launch use by default. CPU device counts are small, so the unrolled program stays small.
+    unroll = jax.default_backend() == "cpu"
+    chunks = lax.fori_loop(0, n - 1, scatter_hop, chunks, unroll=unroll)
     owned = (idx + 1) % n
     # The owner keeps the wire-rounded value too, so every replica ends with the same bits.
     mine = lax.dynamic_index_in_dim(chunks, owned, keepdims=False).astype(wire)
@@ -191,7 +196,7 @@ def _ring(x: jax.Array, *, axes: tuple[str, ...], n: int, accum: Any) -> jax.Arr
         received = lax.ppermute(sent, axes, to_right)
         return lax.dynamic_update_index_in_dim(done, received, (idx - s) % n, 0)
 
-    done = lax.fori_loop(0, n - 1, gather_hop, done)
+    done = lax.fori_loop(0, n - 1, gather_hop, done, unroll=unroll)
     return done.reshape(-1)[:length]
 
 

@@ -12,6 +12,12 @@ Every compilation is cached (JAX's thresholds set to 0, unless already set), and
 is capped at ``JAXDIST_COMPILE_CACHE_MAX_BYTES`` (default 2 GiB; JAX evicts the least recently
 used entries). Entries are keyed by the program, the devices and the JAX/XLA versions, so a
 cache shared by different jobs or versions never hands one the other's executable.
+
+Known limit (XLA:CPU, seen with jax 0.10.2): an executable with a collective-permute inside a loop
+(``lax.ppermute`` in a ``fori_loop``) aborts the process ("Id can't be larger than the number of
+participating threads") when it is read back from the cache. jaxdist's own ``ring`` all-reduce
+unrolls its loop on the CPU for that reason; a step of your own that does this on the CPU needs
+``JAXDIST_COMPILE_CACHE=0`` (or ``--no-compile-cache``).
 """
 
 from __future__ import annotations
