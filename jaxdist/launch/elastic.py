@@ -298,6 +298,8 @@ class Agent:
                     # job that never formed has not succeeded, whatever a scheduler records
                     return 0 if clean and self._round >= 0 else 1
                 if outcome in ("done", "left", "signal", "refused"):
+                    if outcome == "done" and self.server is not None:
+                        self._linger()
                     return code
                 clean = outcome == "drained"
                 if not clean:
@@ -619,6 +621,20 @@ class Agent:
         is closed, so a thread still using it gets a RendezvousError."""
         self.store.close()
         self.store = RendezvousClient(address, self.rdzv_id)
+
+    def _linger(self) -> None:
+        """The job is done: the serving agent keeps the store up until the other agents have
+        read that and left (or their heartbeats stopped), at most two host timeouts, so that a
+        host that registered as the job ended learns it ended rather than losing the store (and
+        exiting 1)."""
+        deadline = time.monotonic() + 2 * self.host_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if not [k for k in self._alive_agents() if k != self.id]:
+                    return
+            except RendezvousError:
+                return
+            time.sleep(0.1)
 
     def _serve_until_done(self) -> None:
         """A leaving agent that serves the store keeps serving it (without processes) until the
