@@ -311,6 +311,10 @@ class Agent:
                         return code or 1
                     self.l.restarts += 1
         except RendezvousError as e:
+            if self._round < 0:  # never in a round: no process of this host ran
+                self.say(f"the rendezvous store went away before this host joined a round ({e}): "
+                         "the job has ended, or its store's host is gone; nothing ran here")
+                return 0
             self.say(f"lost the rendezvous store ({e}); stopping this host's processes")
             return 1
         finally:
