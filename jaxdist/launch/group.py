@@ -337,13 +337,13 @@ class _Launcher:
                                                shared=local_rank is None))
         env[ENV_RESTART_COUNT] = str(attempt)
         env.pop("TORCHELASTIC_RESTART_COUNT", None)  # never the launcher's own (stale) value
-        if local_rank is not None:
+        if local_rank is not None:  # a process of the SPMD job
             env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # torchrun's name for it
-        if local_rank is not None and env.get(ENV_JOIN_ON_IMPORT, "").strip() != "0":
-            # A process of the SPMD job: `import jaxdist` joins it. The marker names this
-            # launcher, the process's parent: a worker pool the script started before importing
-            # jaxdist inherits it, but its workers' parent is the script, so they do not join.
-            env[ENV_JOIN_ON_IMPORT] = f"launcher:{os.getpid()}"
+            if env.get(ENV_JOIN_ON_IMPORT, "").strip() != "0":
+                # `import jaxdist` joins the job. The marker names this launcher, the process's
+                # parent: a worker pool the script started before importing jaxdist inherits it,
+                # but its workers' parent is the script, so they do not join.
+                env[ENV_JOIN_ON_IMPORT] = f"launcher:{os.getpid()}"
         for name in (ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP):
             env.pop(name, None)
         if attempt and self._failures:  # what a resumed run's line says failed, and when
