@@ -97,3 +97,88 @@ def test_200_steps_on_8_devices_do_not_abort_in_the_rendezvous():
     proc = run_python(code, timeout=300, devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps 224" in proc.stdout and "no-metrics steps done" in proc.stdout
+
+
+def test_fit_reads_no_metric_before_it_is_ready_below_the_bound(monkeypatch):
+    """With a step the devices take longer over than the host (as a GPU step of a large model),
+    ``fit`` never waits for a metric while at most ``max_in_flight`` calls are unfinished (a
+    counting stub of the read), and its history and state are those of a plain loop, bit for bit."""
+    from jaxdist.training import fit as fit_module
+
+    s = jaxdist.OneDeviceStrategy()
+
+    def slow_step(w, batch):  # ~10 ms of device work a step on this CPU, microseconds of host work
+        h = jax.lax.fori_loop(0, 24, lambda _, h: jax.numpy.tanh(h @ w), batch.data)
+        loss = jaxdist.compute_average_loss(jax.numpy.mean(h * h, axis=1), batch.mask)
+        return w * 0.999 + 1e-4 * (h.T @ h) / h.shape[0], {"loss": loss, "n": {"h0": h[0, 0]}}
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40 * 192 + 64, 256)).astype(np.float32)
+    w0 = (rng.normal(size=(256, 256)) / 16).astype(np.float32)
+    data = s.distribute(x, 192, shuffle=False)
+    step = s.step(slow_step)
+
+    pushed, early, fetched, draining = [], [], [], []
+    push, fetch, drain = fit_module._Meter.push, fit_module._fetch, fit_module._Meter.drain
+
+    def counting_push(meter, metrics, num_real):
+        pushed.append(jax.tree.leaves(metrics))
+        push(meter, metrics, num_real)
+
+    def counting_fetch(flats):
+        # Steps only finish as time passes: counted first, the unfinished calls are at least as
+        # many as when the values below are checked.
+        unfinished = sum(not all(v.is_ready() for v in leaves) for leaves in pushed)
+        if not draining and any(not v.is_ready() for f in flats for v in f.values()):
+            early.append(unfinished)
+        fetched.append(len(flats))
+        return fetch(flats)
+
+    monkeypatch.setattr(fit_module._Meter, "push", counting_push)
+    monkeypatch.setattr(fit_module, "_fetch", counting_fetch)
+
+    def epoch_end_drain(meter):  # the epoch's end waits for its last steps, as it must
+        draining.append(True)
+        try:
+            return drain(meter)
+        finally:
+            draining.pop()
+
+    monkeypatch.setattr(fit_module._Meter, "drain", epoch_end_drain)
+    hist = jaxdist.fit(step, jax.numpy.asarray(w0), data, epochs=2, verbose=0)
+    monkeypatch.undo()
+
+    assert len(pushed) == 2 * len(data) and sum(fetched) == len(pushed)
+    assert all(n > 8 for n in early), f"waited for a metric with {early} calls unfinished"
+
+    w, sums = jax.numpy.asarray(w0), []  # the plain loop, reading every step
+    for epoch in range(2):
+        total, count = {}, 0
+        for batch in data.iterator(epoch=epoch):
+            w, m = step(w, batch)
+            n = int(np.asarray(batch.mask).sum())
+            for k, v in (("loss", m["loss"]), ("n/h0", m["n"]["h0"])):
+                total[k] = total.get(k, 0.0) + float(v) * n
+            count += n
+        sums.append({k: v / count for k, v in total.items()})
+    assert hist.history == {k: [e[k] for e in sums] for k in ("loss", "n/h0")}
+    np.testing.assert_array_equal(np.asarray(hist.state), np.asarray(w))
+
+
+def test_a_callback_that_asks_for_the_newest_metrics_waits_for_them():
+    s = jaxdist.OneDeviceStrategy()
+
+    def step(w, batch):
+        loss = jaxdist.compute_average_loss(batch.data * w, batch.mask)
+        return w + 1.0, {"loss": loss}
+
+    seen = []
+
+    class Newest(jaxdist.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            seen.append((info.step, info.latest_logs()["loss"], info.logs["loss"]))
+
+    data = s.distribute(np.ones(12, np.float32), 4, shuffle=False)
+    jaxdist.fit(step, jax.numpy.float32(0.0), data, epochs=1, verbose=0, callbacks=[Newest()])
+    # Step k (1-based) has loss k - 1: the running mean over steps 1..k is (k - 1) / 2.
+    assert seen == [(k, (k - 1) / 2, (k - 1) / 2) for k in (1, 2, 3)]

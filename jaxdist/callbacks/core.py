@@ -43,7 +43,9 @@ class TrainInfo:
       epoch: the current epoch (0-based).
       step: optimizer steps completed since the start of training (all epochs).
       state: the current train state (device arrays; reading it forces a sync, so don't every step).
-      logs: the latest metrics read back from the device (they lag the newest step by a few steps).
+      logs: the epoch's metrics as far as they have been read back from the devices, without
+        waiting for them (they lag the newest step by up to ``max_in_flight`` calls); a callback
+        that needs the newest values calls :meth:`latest_logs`.
       epoch_steps: steps in this epoch so far.
       steps_per_epoch: planned steps per epoch, or None when unknown.
       stop_training: set True to end training after this step / epoch.
@@ -71,6 +73,18 @@ class TrainInfo:
     strategy: Any = None
     steps_per_execution: int = 1
     call_steps: int = 1
+    _read_all: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def latest_logs(self) -> dict[str, float]:
+        """The epoch's metrics over every step dispatched so far (also set as ``logs``).
+
+        Unlike ``logs`` this waits for the devices to finish those steps, so the loop stops
+        running ahead while a callback reads; call it when a decision needs the newest values, not
+        every step. Outside ``fit``'s epochs it returns ``logs``.
+        """
+        if self._read_all is not None:
+            self.logs = dict(self._read_all())
+        return self.logs
 
 
 class Callback:

@@ -8,8 +8,9 @@ padded row never produces NaN in a loss that a mask multiplies away (``NaN * 0``
 Batches of in-memory arrays are placed on the devices ahead of use, several at a time: the rows of
 up to ``AHEAD_BATCHES`` batches (at most ``AHEAD_BYTES`` of them; one batch when a batch is larger)
 are gathered in one copy, sent to the devices in one transfer and split there into per-step
-batches in one dispatch. A transfer costs the host about as much for eight small batches as for
-one, so this takes most of the input's host work off a small model's steps. A stack of batches
+batches in one dispatch (never more than an epoch holds). A transfer costs the host about as much
+for thirty-two small batches as for one, so this takes most of the input's host work off a small
+model's steps (per batch on one CPU device: 13 us at 8 a time, 8 us at 32). A stack of batches
 for several steps in one compiled call (``fit``'s ``steps_per_execution``) is made the same way,
 without the split.
 
@@ -53,7 +54,7 @@ __all__ = ["Batch", "DistributedDataset", "DistributedIterator", "Group", "check
 
 logger = logging.getLogger(__name__)
 
-AHEAD_BATCHES = 8
+AHEAD_BATCHES = 32
 """The most batches of in-memory arrays placed on the devices ahead of use (made in one go)."""
 AHEAD_BYTES = 16 << 20
 """...and the most bytes of them (global batch bytes; each device holds its share)."""
@@ -155,7 +156,7 @@ class DistributedDataset:
             self._iterable = None
             row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
                             for a in jax.tree.leaves(self._arrays))
-            self._ahead = int(max(1, min(AHEAD_BATCHES,
+            self._ahead = int(max(1, min(AHEAD_BATCHES, -(-self._num_examples // global_batch_size),
                                          AHEAD_BYTES // max(1, row_bytes * global_batch_size))))
             self._on_device = self._keep_on_device(on_device, row_bytes * self._num_examples)
         elif isinstance(data, Iterable) or callable(data):

@@ -2,13 +2,16 @@
 
 Two properties matter more than features here:
 
-* **Bounded run-ahead.** JAX dispatches asynchronously; the loop keeps at most ``max_in_flight``
-  steps queued by waiting on the metrics of older steps. On XLA:CPU with several devices, ~100
-  queued steps containing collectives deadlock XLA's rendezvous and abort the process.
+* **Bounded run-ahead, no idle devices.** JAX dispatches asynchronously; at most
+  ``max_in_flight`` calls stay unfinished (the step's own bound, and the metrics' past it). On
+  XLA:CPU with several devices, ~100 queued steps containing collectives deadlock XLA's rendezvous
+  and abort the process; on an accelerator a loop that waits for a step's metrics while few are
+  queued leaves the devices idle as it refills them.
 * **Exact metrics.** Each step's metrics are means over the real examples of its batch; the epoch's
   value weights them by those counts, so a padded final batch is neither dropped nor over-counted.
-  Metrics are read a few steps at a time while the newer half of the ``max_in_flight`` window stays
-  in flight; the newest step is never waited on.
+  Metrics are copied to the host as their steps finish and read, several at a time, only once
+  they are ready: below ``max_in_flight`` unfinished calls the loop never waits on the devices
+  (a callback that wants the newest values waits for them itself: ``TrainInfo.latest_logs``).
 
 ``steps_per_execution=K`` (Keras's name and meaning) runs ``K`` steps per compiled call: the
 epoch's batches are stacked ``K`` at a time and a loop on the device runs the step on each
@@ -72,35 +75,53 @@ class History:
 
 
 class _Meter:
-    """Count-weighted running means of step metrics, read back a few calls late.
+    """Count-weighted running means of step metrics, read back once the devices have them.
 
     ``push`` takes one call's metrics and its batch's real-example count, or (a call of several
     steps) the metrics stacked on a leading axis and a tuple of counts, one per step run. Either
-    way the sums are accumulated step by step in order, so the means are the same.
+    way the sums are accumulated step by step in order, so the means are the same however the
+    reads fall.
+
+    Values are read only once they are ready, several at a time (one wake-up per ``max_in_flight
+    / 2`` calls): the loop never waits on the devices while at most ``max_in_flight`` calls are
+    unfinished. Past that (a step that bounds nothing itself) it waits for the calls that leave
+    half of them running. Leaves that cannot say whether they are ready (a parameter server's
+    ``RemoteValue`` says ``done()``) count as not ready.
     """
 
     def __init__(self, max_in_flight: int):
-        self._pending: collections.deque = collections.deque()
+        self._pending: collections.deque = collections.deque()  # (flat metrics, count), oldest first
         self._max = max_in_flight
+        self._batch = max(1, max_in_flight // 2)
+        self._ready = 0  # pending calls, from the oldest, known to be finished
+        self._copies: bool | None = None  # whether reading needs a transfer (not on a CPU)
         self._sums: dict[str, float] = {}
         self._count = 0
         self.reads = 0  # how many times values were read back (the logs changed)
 
     def push(self, metrics: PyTree, num_real: int | tuple) -> None:
-        _start_copies(metrics)
-        self._pending.append((metrics, num_real))
-        if len(self._pending) > self._max:
-            # The older calls in one transfer (one wait, not one per call); the newer half of the
-            # window stays in flight, so the devices never run dry while the host reads.
-            self._read(len(self._pending) - (self._max + 1) // 2)
+        flat = _flatten_metrics(metrics)
+        if self._copies is None:
+            self._copies = any(isinstance(v, jax.Array) and next(iter(v.devices())).platform
+                               != "cpu" for v in flat.values())
+        if self._copies:
+            _start_copies(flat)
+        pending = self._pending
+        pending.append((flat, num_real))
+        while self._ready < len(pending) and _finished(pending[self._ready][0]):
+            self._ready += 1
+        if len(pending) - self._ready > self._max:
+            self._read(len(pending) - self._batch)  # waits: more than max_in_flight unfinished
+        elif self._ready >= self._batch:
+            self._read(self._ready)
 
     def _read(self, count: int) -> None:
         if not count:
             return
         batch = [self._pending.popleft() for _ in range(count)]
+        self._ready = max(0, self._ready - count)
         sums = self._sums
-        for metrics, (_, n) in zip(jax.device_get([m for m, _ in batch]), batch):
-            flat = _flatten_metrics(metrics)
+        for flat, (_, n) in zip(_fetch([f for f, _ in batch]), batch):
             if isinstance(n, tuple):  # a call of len(n) steps: row i is step i's
                 for i, ni in enumerate(n):
                     for k, v in flat.items():
@@ -120,10 +141,29 @@ class _Meter:
         return {k: s / self._count for k, s in self._sums.items()} if self._count else {}
 
 
-def _start_copies(metrics: PyTree) -> None:
-    """Starts copying ``metrics`` to the host as soon as the devices have them, so that reading
-    them a few calls later waits for nothing but their step (not for a transfer behind it)."""
-    for leaf in jax.tree.leaves(metrics):
+def _finished(flat: dict[str, Any]) -> bool:
+    """Whether every value of one call's metrics can be read without waiting."""
+    for v in flat.values():
+        if isinstance(v, jax.Array):
+            if not v.is_ready():
+                return False
+        elif isinstance(v, (np.ndarray, np.generic, int, float)):
+            continue
+        elif not getattr(v, "done", lambda: False)():
+            return False
+    return True
+
+
+def _fetch(flats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls' metrics on the host (their copies were started when they were pushed)."""
+    return [{k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in f.items()}
+            for f in flats]
+
+
+def _start_copies(flat: dict[str, Any]) -> None:
+    """Starts copying the metrics to the host as soon as the devices have them, so that reading
+    them later waits for nothing but their step (not for a transfer behind it)."""
+    for leaf in flat.values():
         copy = getattr(leaf, "copy_to_host_async", None)
         if copy is not None and getattr(leaf, "is_fully_addressable", False):
             copy()
@@ -591,10 +631,12 @@ def _one_epoch(run: _Run, epoch: int, position: int) -> None:
     options = {} if group == 1 else {"group_size": group}
     if run.steps_per_epoch is not None and isinstance(dataset, DistributedDataset):
         options["steps"] = max(1, run.steps_per_epoch - position)  # none made past the last
+    info._read_all = meter.drain
     with dataset.iterator(epoch=epoch, position=position, **options) as it:
         info.iterator = it
         run.warned = _train_epoch(run.step, it, info, meter, run.cbs, group, run.steps_per_epoch,
                                   run.max_in_flight, run.warned)
+    info._read_all = None
     if info.epoch_steps == 0 and position == 0:  # a dataset without a length
         raise ValueError(_EMPTY.format(n="no", gb=dataset.global_batch_size))
     info.logs = meter.drain()
@@ -647,7 +689,7 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
-        initial_epoch: int = 0, max_in_flight: int = 4,
+        initial_epoch: int = 0, max_in_flight: int = 8,
         steps_per_execution: int = 1, validation_data: Any = None,
         validation_batch_size: int | None = None,
         validation_split: float | None = None) -> History:
@@ -670,7 +712,8 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
       max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
-        with ``steps_per_execution=K`` up to ``max_in_flight * K`` steps.
+        with ``steps_per_execution=K`` up to ``max_in_flight * K`` steps. The loop reads
+        metrics only once they are ready, so it never waits on the devices below this bound.
       steps_per_execution: steps run per compiled call (Keras's name). ``K > 1`` stacks ``K``
         batches and loops over them on the device: the host dispatches, transfers and reads
         metrics back once per ``K`` steps, which speeds up small models whose steps take less
