@@ -338,17 +338,6 @@ def child(cfg: dict, params_path: str | None) -> None:
                 jax.block_until_ready(info.state)
                 self.window.append(time.perf_counter())
 
-    class Kill(jaxdist.callbacks.Callback):
-        """The kill part: SIGKILL after step ``kill_at`` on the first attempt (the launcher
-        restarts the process, which resumes from what the tier holds)."""
-
-        def on_train_batch_end(self, info):
-            if (cfg.get("kill_at") and os.environ.get("JAXDIST_RESTART_COUNT", "0") == "0"
-                    and info.step >= cfg["kill_at"]):
-                jax.block_until_ready(info.state)
-                print(f"killed after step {info.step}", flush=True)
-                os.kill(os.getpid(), 9)
-
     strategy = jaxdist.MultiWorkerMirroredStrategy(zero_stage=cfg.get("zero_stage", 0))
     timer = StepTimes()
     # The backup directory outlives a killed attempt (the restarted one must not find it empty
@@ -356,6 +345,26 @@ def child(cfg: dict, params_path: str | None) -> None:
     backup = jaxdist.callbacks.BackupAndRestore(
         cfg.get("backup_dir") or tempfile.mkdtemp(prefix="gpt-bench-backup-"),
         every_n_steps=10_000, delete_on_success=True)
+
+    class Kill(jaxdist.callbacks.Callback):
+        """The kill part: SIGKILL after step ``kill_at`` on the first attempt (the launcher
+        restarts the process, which resumes from what the tier holds). It first prints the bound
+        the tier had announced by then (its ``tier.json``, what the launcher prints): the kill is
+        held to that, not to a bound announced later."""
+
+        def on_train_batch_end(self, info):
+            if (cfg.get("kill_at") and os.environ.get("JAXDIST_RESTART_COUNT", "0") == "0"
+                    and info.step >= cfg["kill_at"]):
+                jax.block_until_ready(info.state)
+                from jaxdist.launch.statedir import read_tier
+
+                tier = getattr(backup, "memory", None)
+                announced = read_tier(tier.directory, 0) if tier and tier.directory else None
+                print(f"killed after step {info.step}; announced before the kill: "
+                      + json.dumps({k: (announced or {}).get(k) for k in ("bound", "bound_all")}),
+                      flush=True)
+                os.kill(os.getpid(), 9)
+
     history = jaxdist.fit(strategy.step(masked_step), host_state,
                           strategy.distribute(data, cfg["batch"]), epochs=1,
                           steps_per_epoch=cfg["launch_steps"], callbacks=[backup, timer, Kill()],
@@ -387,12 +396,12 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float,
            *(["--params-out", params_path] if params_path else [])]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout + 60)
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout + 60)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"the launched run (tier {'on' if tier else 'off'}) did not end "
                            f"within {timeout + 60:.0f} s") from e
-    output = proc.stdout + proc.stderr
+    output = proc.stdout  # stderr merged in: the lines in the order written
     found = [line for line in output.splitlines() if CHILD_TAG in line]
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"the launched run (tier {'on' if tier else 'off'}) failed with exit "
@@ -409,13 +418,15 @@ def launch_once(cfg: dict, tier: bool, params_path: str | None, timeout: float,
     tier_log = sorted({re.sub(r"^\[\d+\]\s*", "", line).strip() for line in output.splitlines()
                        if re.search(r"memory tier|memory state tier|in-memory|at most \d+ step",
                                     line, re.IGNORECASE)})
-    killed = re.search(r"killed after step (\d+)", output)
+    killed = re.search(r"killed after step (\d+); announced before the kill: (\{.*\})", output)
     # One process (-n 1): no survivor writes its newest copy, so the bound that holds is the
     # one for "no process of the job survives it" (what was written to the state directory).
-    bounds = [int(b) for b in re.findall(r"or (\d+) when no process of the job survives", output)]
+    bounds = [(int(a), int(b)) for a, b in re.findall(
+        r"at most (\d+) step\(s\), or (\d+) when no process of the job survives", output)]
     return {"step_s": (end - start) / (cfg["launch_steps"] - WARM_STEPS), "intervals": intervals,
             "restored": got.get("restored"), "killed_after": int(killed[1]) if killed else None,
-            "bounds": bounds,
+            "announced_before_kill": json.loads(killed[2]) if killed else None,
+            "bounds": [a for a, _ in bounds], "bounds_all": [b for _, b in bounds],
             "tier_enabled": got["tier"], "tier_log": tier_log, "moved": got["moved"],
             "describe": got["describe"], "wall_s": time.perf_counter() - t}
 
@@ -494,9 +505,11 @@ def run_kill(cfg: dict, tmp: str, timeout: float, res: dict, save) -> None:
             continue
         source, step = killed["restored"] or (None, None)
         after = killed["killed_after"]
+        before = killed["announced_before_kill"] or {}
         row = {"killed_after": after, "resumed_from": source, "resumed_step": step,
                "recomputed": None if after is None or step is None else after - step,
-               "announced": max(killed["bounds"], default=None),
+               "announced": before.get("bound_all"), "announced_survivor": before.get("bound"),
+               "tier_enabled": killed["tier_enabled"],
                "distance": distance(load(paths["killed"]), load(paths["whole"])) / whole["moved"]}
         out[name] = row
         print(f"kill, {name}: killed after step {after}, resumed from {source} step {step}: "
@@ -556,9 +569,16 @@ def summarize(res: dict) -> dict:
     summary["same_numbers_checked"] = not cfg.get("timing_only")
     summary["same_numbers_ok"] = (not summary["same_numbers_checked"]
                                   or all(v <= cfg["tolerance"] for v in same.values()))
+    # A deterministic resume is bit-exact: the killed run ends on the uninterrupted one's
+    # parameters (1e-6 of the distance training moved them), not merely near them.
+    summary["kill_tolerance"] = 1e-6 if cfg.get("deterministic") else cfg["tolerance"]
     summary["kill_ok"] = all(
         k["resumed_from"] == "memory" and k["recomputed"] is not None and k["announced"] is not None
-        and k["recomputed"] <= k["announced"] for k in res.get("kill", {}).values())
+        and k["recomputed"] <= k["announced"] and k["distance"] <= summary["kill_tolerance"]
+        for k in res.get("kill", {}).values())
+    on = res.get("launch", {}).get("on", [])
+    summary["tier_enabled_ok"] = all(r["tier_enabled"] is True for r in on) and all(
+        r["tier_enabled"] is not True for r in res.get("launch", {}).get("off", []))
     return summary
 
 
@@ -607,8 +627,8 @@ def report(res: dict) -> str:
     for name, k in res.get("kill", {}).items():
         lines += [f"SIGKILL under `jaxdist launch -n 1` ({name}): killed after step "
                   f"{k['killed_after']}, resumed from {k['resumed_from']} step {k['resumed_step']}, "
-                  f"{k['recomputed']} step(s) computed again (announced: at most {k['announced']} "
-                  "when no process survives); "
+                  f"{k['recomputed']} step(s) computed again (announced before the kill: at most "
+                  f"{k['announced']} when no process survives); "
                   f"parameters {k['distance']:.1e} from the uninterrupted run's"]
     lines += [f"launched run failed: {e}" for e in res.get("launch_errors", [])]
     same = ", ".join(f"{k} {v:.1e}" for k, v in s["same_numbers"].items())

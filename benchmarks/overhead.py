@@ -322,13 +322,14 @@ def main() -> None:
     check = args.check if args.check != "auto" else (
         "final" if devices[0].platform == "cpu" else "highest")
 
-    def first_params(found):
-        return {n: jax.tree.leaves(jax.device_get(strategy.to_mirrored(found[n]).params))[0]
-                for n in names}
+    def all_params(found):  # every leaf: a loop that trains one layer wrong differs somewhere
+        return {n: [np.asarray(a) for a in jax.tree.leaves(
+            jax.device_get(strategy.to_mirrored(found[n]).params))] for n in names}
 
-    final = first_params(states)
+    final = all_params(states)
     if check == "highest":
-        worst = max(float(np.max(np.abs(final["hand"] - final[n]))) for n in names[1:])
+        worst = max(float(np.max(np.abs(a - b))) for n in names[1:]
+                    for a, b in zip(final["hand"], final[n]))
         print(f"timed loops' parameters at the default matmul precision: largest difference from "
               f"the hand-written loop's {worst:.2e} (not checked)")
         # Every loop again from the same state, where programs that mask or loop differently
@@ -338,11 +339,17 @@ def main() -> None:
             for n in names:
                 fresh[n] = loops[n](fresh[n], min(8, args.steps))[0]
             jax.block_until_ready(fresh)
-        final = first_params(fresh)
+        final = all_params(fresh)
     for n in names[1:]:  # same computation, so the same parameters after the same steps
-        np.testing.assert_allclose(final["hand"], final[n], rtol=1e-4, atol=1e-5,
-                                   err_msg=f"{n} ended away from the hand-written loop ({check})")
+        for i, (a, b) in enumerate(zip(final["hand"], final[n])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"{n} ended away from "
+                                       f"the hand-written loop ({check}), parameter leaf {i}")
     print(f"every loop ended on the hand-written loop's parameters (check: {check})")
+    if args.json:  # what a reader of the file (benchmarks/gpu_verdict.py) holds the run to
+        with open(args.json) as f:
+            written = json.load(f)
+        with open(args.json, "w") as f:
+            json.dump({**written, "same_numbers": check}, f, indent=1)
     del jnp
 
 
