@@ -21,8 +21,11 @@ def _kills(output: str) -> list[tuple[int, int | None, int, str, int | None]]:
     for line in output.splitlines():
         if m := re.search(r"in-memory tier \(rank 0\): .* a failure costs at most (\d+) step", line):
             bound = int(m[1])
-        elif m := re.match(r"\[1\] fault kill at step (\d+)$", line):
-            fault = (int(m[1]), bound)
+        elif m := re.match(r"\[1\] fault kill at step (\d+)(?: \(announced at most (\d+)\))?$",
+                           line):
+            # The rank kills itself only once rank 0's tier has announced its bound (it read
+            # the file the launcher announces from); the launcher's line may come just after.
+            fault = (int(m[1]), int(m[2]) if m[2] else bound)
         elif (m := re.match(r"\[0\] attempt [1-9] started from (\w+) step (\w+) \(memory (\w+)\)$",
                             line)) and fault:
             found.append((*fault, int(m[2]) if m[2] != "None" else 0, m[1],
@@ -39,7 +42,7 @@ def test_sigkills_recompute_no_more_than_announced_and_resume_from_memory(tmp_pa
     # other place to resume from: wherever the bound is under 4 steps only the tier can keep it.
     result = launch.run([SCRIPT, str(tmp_path / "o.npz"), str(tmp_path / "backup"), "--fault",
                          "kill", "--rank", "1", "--at", "28,44", "--epochs", "6", "--hidden",
-                         "1024", "--steps-per-execution", str(k)],
+                         "1024", "--steps-per-execution", str(k), "--when-announced"],
                         num_processes=2, devices_per_process=2, timeout_s=300, env=_env(),
                         max_restarts=2)
     out = result.output

@@ -37,6 +37,9 @@ ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (an o
 ap.add_argument("--zero-stage", type=int, default=0)
 ap.add_argument("--hidden", type=int, default=32)
 ap.add_argument("--steps-per-execution", type=int, default=1)
+ap.add_argument("--when-announced", action="store_true",
+                help="the fault waits (training on) for the first step at or after --at at which "
+                     "rank 0's in-memory tier has announced its bound, and prints that bound")
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 at = [int(a) for a in args.at.split(",")]
@@ -67,11 +70,23 @@ class Fault(jaxdist.callbacks.Callback):
             raise ValueError(f"rank {me} found bad data (every batch from step {at[0]} on)")
         if (attempt < len(at) and me == args.rank and info.step >= at[attempt]
                 and args.fault not in ("none", "raise")):
+            said = ""
+            if args.when_announced:  # a handshake: the bound the launcher announces exists
+                tier = read_tier(backup.memory.directory, 0) if backup.memory.directory else None
+                if not tier or tier.get("bound") is None:
+                    return
+                said = f" (announced at most {tier['bound']})"
             jax.block_until_ready(info.state)
-            print(f"fault {args.fault} at step {info.step}", flush=True)
+            print(f"fault {args.fault} at step {info.step}{said}", flush=True)
             if args.fault == "stuck":
                 wait_for_input_that_never_comes()
             os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+
+
+def read_tier(directory, rank):
+    from jaxdist.launch.statedir import read_tier
+
+    return read_tier(directory, rank)
 
 
 def wait_for_input_that_never_comes():
