@@ -200,3 +200,46 @@ def test_a_loop_of_grouped_calls_sends_nothing_per_call_once_warm():
             w, m = step.steps(w, g.batches, len(g.num_real))
         jax.block_until_ready((w, m))
     assert float(w) == 2 * float(np.arange(64).sum())  # two epochs
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_arrays_changed_after_distribute_change_no_batch(on_device):
+    """As tf.data: the dataset is what the arrays were at distribute(), on the host and the
+    devices alike (a device copy aliased a 64-byte-aligned host buffer on the CPU)."""
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    x = np.arange(N * 3, dtype=np.float32).reshape(N, 3)
+    y = np.arange(N, dtype=np.int32)
+    dist = s.distribute((x, y), 16, on_device=on_device)
+    before = _epoch(dist, False, epoch=0)
+    x[:] = -1.0
+    y[:] = -1
+    _same(before, _epoch(dist, False, epoch=0))
+    frozen = np.zeros((N, 3), np.float32)
+    frozen.setflags(write=False)  # read-only: used as it is, no copy
+    assert s.distribute((frozen, y), 16)._arrays[0] is frozen
+
+
+def test_arrays_that_do_not_fit_the_devices_stay_on_the_host_in_one_line(monkeypatch, caplog):
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    x = np.arange(N * 3, dtype=np.float32).reshape(N, 3)
+    host = _epoch(s.distribute((x,), 16, on_device=False), False, epoch=0)
+    put = jax.device_put
+
+    def out_of_memory(value, *args, **kwargs):  # the dataset's placement runs out of memory
+        if any(getattr(a, "shape", None) == (N, 3) for a in jax.tree.leaves(value)):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                             "allocate 2436 bytes.")
+        return put(value, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", out_of_memory)
+    auto = s.distribute((x,), 16)
+    assert auto.on_device  # within the budget at distribute()
+    with caplog.at_level("WARNING", logger="jaxdist.input.dataset"):
+        _same(host, _epoch(auto, False, epoch=0))  # the same batches, from the host
+    assert not auto.on_device
+    assert [r.getMessage() for r in caplog.records] == [
+        "distribute: the dataset's arrays do not fit on the devices (RESOURCE_EXHAUSTED: Out of "
+        "memory while trying to allocate 2436 bytes.); their batches are gathered on the host"]
+    with pytest.raises(MemoryError, match=r"^distribute: the dataset's 0\.0 MB do not fit on "
+                       r"each device .* pass on_device=False"):
+        _epoch(s.distribute((x,), 16, on_device=True), False, epoch=0)

@@ -152,13 +152,17 @@ class DistributedDataset:
             self._num_examples = check_batch_leaves(data, self.strategy.num_replicas_in_sync,
                                                     what="dataset")
             warn_non_finite(data, what="dataset")
-            self._arrays = jax.tree.map(np.asarray, data)
+            # Taken as they are now, as tf.data does: changing the caller's arrays afterwards
+            # changes no batch, on the host or the devices alike (read-only arrays, a read-only
+            # memory map say, are used as they are: nothing can change them through them).
+            self._arrays = jax.tree.map(_snapshot, data)
             self._iterable = None
             row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
                             for a in jax.tree.leaves(self._arrays))
             self._ahead = int(max(1, min(AHEAD_BATCHES, -(-self._num_examples // global_batch_size),
                                          AHEAD_BYTES // max(1, row_bytes * global_batch_size))))
             self._on_device = self._keep_on_device(on_device, row_bytes * self._num_examples)
+            self._on_device_asked = on_device
         elif isinstance(data, Iterable) or callable(data):
             if shuffle:
                 raise ValueError("shuffle=True needs an in-memory dataset ((x, y) tuple or dict of "
@@ -208,6 +212,7 @@ class DistributedDataset:
         self._ahead = 1  # batches placed ahead of use at a time (in-memory arrays: see __init__)
         self._on_device = False  # in-memory arrays gathered on the devices (see _keep_on_device)
         self._device_arrays = None  # ... placed there on first use
+        self._on_device_asked: bool | None = None  # what distribute(on_device=...) said
         self._placing = threading.Lock()
         self._gathers: dict = {}  # compiled gathers, by the shape of what they make
         self._full_masks: dict = {}  # the device mask of a stack of full batches, by its shape
@@ -478,19 +483,58 @@ class DistributedDataset:
             out.append((Batch(data, mask), num_real))
         return out
 
-    def _placed_arrays(self) -> PyTree:
-        """The in-memory arrays on the devices, a full copy on each (placed on first use, once)."""
+    def _placed_arrays(self) -> PyTree | None:
+        """The in-memory arrays on the devices, a full copy on each (placed on first use, once).
+
+        None when they do not fit and ``on_device`` was left to ``distribute``: checked again at
+        first use against the room the devices have left beside what was used so far (the
+        state placed by then, say), or found when placing them runs out of memory; the batches are
+        then gathered on the host, as one line says. Asked for with ``on_device=True``, or in a
+        job of several processes (which must all place alike), running out of memory is an error
+        of one line."""
         with self._placing:
-            if self._device_arrays is None:
-                replicated = self.strategy.layout.replicated
-                if jax.process_count() == 1:
-                    placed = jax.device_put(self._arrays, replicated)
-                else:  # every process holds the whole arrays
-                    placed = jax.tree.map(
-                        lambda a: jax.make_array_from_process_local_data(replicated, a, a.shape),
-                        self._arrays)
-                self._device_arrays = placed
+            if self._device_arrays is None and self._on_device:
+                nbytes = sum(a.nbytes for a in jax.tree.leaves(self._arrays))
+                room = self._room()
+                auto = self._on_device_asked is None and jax.process_count() == 1
+                try:
+                    if auto and room is not None and nbytes > room:
+                        raise _NoRoom(f"{nbytes / 1e6:.1f} MB beside the "
+                                      f"{room / 1e6:.1f} MB left on a device")
+                    self._device_arrays = self._place()
+                except (_NoRoom, jax.errors.JaxRuntimeError) as e:
+                    if not isinstance(e, _NoRoom) and "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    if not auto:
+                        raise MemoryError(
+                            f"distribute: the dataset's {nbytes / 1e6:.1f} MB do not fit on each "
+                            f"device (each holds a full copy): pass on_device=False to gather its "
+                            f"batches on the host and send each one") from None
+                    logger.warning("distribute: the dataset's arrays do not fit on the devices "
+                                   "(%s); their batches are gathered on the host", e)
+                    self._on_device = False
             return self._device_arrays
+
+    def _room(self) -> int | None:
+        """Bytes a device can still take beside its peak use so far (None: not reported)."""
+        room = None
+        for d in self.strategy.layout.replicated.addressable_devices:
+            try:
+                stats = d.memory_stats() or {}
+            except Exception:  # a backend without memory statistics
+                return None
+            if "bytes_limit" not in stats:
+                return None
+            left = int(stats["bytes_limit"]) - int(stats.get("peak_bytes_in_use", 0))
+            room = left if room is None else min(room, left)
+        return room
+
+    def _place(self) -> PyTree:
+        replicated = self.strategy.layout.replicated
+        if jax.process_count() == 1:
+            return jax.device_put(self._arrays, replicated)
+        return jax.tree.map(  # every process holds the whole arrays
+            lambda a: jax.make_array_from_process_local_data(replicated, a, a.shape), self._arrays)
 
     def _gather(self, idx: np.ndarray, split: bool) -> Any:
         """This process's rows ``idx`` of a batch ``(rows,)`` or a stack ``(size, rows)``, gathered on
@@ -500,6 +544,16 @@ class DistributedDataset:
         layout = self.strategy.layout
         arrays = self._placed_arrays()
         stacked = idx.ndim == 2
+        if arrays is None:  # they did not fit: these rows from the host (later ones made there)
+            rows = jax.tree.map(lambda a: a.reshape(idx.shape + a.shape[1:]),
+                                _take_rows(self._arrays, idx.reshape(-1)))
+            if not stacked:
+                return self._put(layout.batch, rows)
+            placed = self._put(stacked_sharding(layout.batch), rows, stacked=True)
+            if not split:
+                return placed
+            with layout.mesh_context():
+                return [jax.tree.map(lambda a, k=k: a[k], placed) for k in range(idx.shape[0])]
         idx_on = stacked_sharding(layout.batch) if stacked else layout.batch
         key = (idx.shape, split)
         fn = self._gathers.get(key)
@@ -594,6 +648,18 @@ def _stack(group: list, size: int) -> _HostGroup:
 # XLA:CPU uses a host buffer aligned to this many bytes in place (jax.device_put aliases it) and
 # copies any other, at 2-4x the cost of the copy itself.
 _ALIGN = 64
+
+
+class _NoRoom(Exception):
+    """The devices have no room left for the dataset's arrays."""
+
+
+def _snapshot(x: Any) -> np.ndarray:
+    """``x`` as numpy, copied when it is the caller's own writable array."""
+    a = np.asarray(x)
+    if a is x and a.flags.writeable:
+        a = a.copy()
+    return a
 
 
 def _take_rows(tree: PyTree, idx: np.ndarray) -> PyTree:

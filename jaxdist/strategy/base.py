@@ -248,13 +248,18 @@ class MeshStrategy(Strategy):
           data: an in-memory dataset (a tuple / dict / pytree of numpy arrays with a common leading
             example axis), or an iterable of such batches (a generator function, a grain
             ``MapDataset.batch(...)``), each with at most ``global_batch_size`` examples.
+            In-memory arrays are taken as they are at this call, as ``tf.data`` takes them:
+            writable numpy arrays are copied (the host holds the dataset twice), so changing
+            them afterwards changes no batch, on the host or the devices alike; read-only arrays
+            (``a.setflags(write=False)``, ``np.load(..., mmap_mode="r")``) and JAX arrays are
+            used as they are, without a copy.
           global_batch_size: examples per step across all replicas; must divide evenly over them.
           shuffle: reshuffle in-memory data every epoch, deterministically from ``seed``.
           seed: shuffling seed.
           drop_remainder: drop a final partial batch instead of padding it (padded rows carry
             ``mask == False``, so no example is dropped or counted twice either way).
           prefetch: batches prepared ahead on a background thread (bounded; for in-memory arrays,
-            chunks of up to 8 batches, see the input guide); ``0`` makes them
+            chunks of up to 32 batches, see the input guide); ``0`` makes them
             on the loop's thread when they are asked for. Default: ``0`` for in-memory arrays (a
             gather and a transfer per chunk of batches, cheaper than a thread's hand-over), ``2``
             for an iterable, whose batches may take time to make.
@@ -267,8 +272,11 @@ class MeshStrategy(Strategy):
             of a device's memory, ``jaxdist.input.dataset.ON_DEVICE_FRACTION``; on CPU devices,
             1 GiB for all local copies, ``ON_DEVICE_HOST_BYTES``), they are placed on the devices
             once, a full copy on each local device, and every batch is gathered there from indices
-            the host sends: the same batches, order, padding and masks as from the host.
-            ``True``: always; ``False``: gather batches on the host and send them each epoch.
+            the host sends: the same batches, order, padding and masks as from the host. Checked
+            again at the first batch against the room the devices have left (beside the state
+            placed by then); arrays that do not fit stay on the host, as one line says.
+            ``True``: always (a ``MemoryError`` of one line where they do not fit); ``False``:
+            gather batches on the host and send them each epoch.
 
         Returns:
           A ``jaxdist.DistributedDataset``; iterating it yields ``jaxdist.Batch(data, mask)``.
