@@ -170,6 +170,9 @@ def _start_copies(flat: dict[str, Any]) -> None:
 
 
 def _flatten_metrics(metrics: PyTree) -> dict[str, Any]:
+    if type(metrics) is dict and all(type(k) is str and not isinstance(v, dict)
+                                     for k, v in metrics.items()):
+        return metrics  # the common case, {"loss": ..., "accuracy": ...}: flat already
     if isinstance(metrics, dict) and all(isinstance(k, str) for k in metrics):
         flat = {}
         for k, v in metrics.items():
