@@ -90,6 +90,55 @@ def test_a_device_without_room_for_a_snapshot_copies_directly_said_in_one_line(
     assert StateTier(str(tmp_path), rank=0).resume(_state(0)).step == 4
 
 
+def test_a_peak_that_grows_past_the_room_turns_snapshots_off_in_one_line(
+        tmp_path, monkeypatch, caplog):
+    # before: the room was checked once, at the first save, possibly before step 1's memory
+    _as_accelerator(monkeypatch)
+    peak, room = [100], [True]
+    monkeypatch.setattr(_overlap, "_peak", lambda blocks: peak[0])
+    monkeypatch.setattr(_overlap, "_device_room",
+                        lambda blocks: (room[0], "" if room[0] else "no room beside 900 (test)"))
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    with caplog.at_level(logging.WARNING):
+        for k in range(1, 7):
+            if k == 4:  # an evaluation, a longer batch: the step's peak grows past the room
+                peak[0], room[0] = 900, False
+            assert tier.save(k, _state(k))
+            tier.flush()
+            assert tier._overlap.snapshots == (k < 4), k
+    said = [r.getMessage() for r in caplog.records if "directly" in r.message]
+    assert len(said) == 1 and "no room beside 900 (test)" in said[0], said
+    tier.close()
+    assert StateTier(str(tmp_path), rank=0).resume(_state(0)).step == 6
+
+
+@pytest.mark.parametrize("when", ["start", "copy"])
+def test_pinned_memory_exhausted_turns_the_tier_off_never_copying_to_the_device(
+        tmp_path, monkeypatch, caplog, when):
+    # before: a pinned pool at XLA's cap read as "no room for a snapshot", and copies went to
+    # device memory (lost with the process)
+    _as_accelerator(monkeypatch)
+    full = [when == "start"]
+    put = jax.device_put
+
+    def device_put(x, where=None, **kw):
+        if full[0] and isinstance(where, list) and any(
+                getattr(w, "memory_kind", None) == "pinned_host" for w in where):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: pinned host allocator (test)")
+        return put(x, where, **kw)
+
+    monkeypatch.setattr(jax, "device_put", device_put)
+    tier = StateTier(str(tmp_path), rank=0, every=1)
+    with caplog.at_level(logging.WARNING):
+        assert tier.save(1, _state(1)) == (when == "copy")
+        full[0] = True
+        assert not tier.save(2, _state(2))  # not a copy into device memory instead
+    assert not tier.enabled
+    said = [r.getMessage() for r in caplog.records if "tier is off" in r.message]
+    assert len(said) == 1 and "pinned host memory is exhausted" in said[0], said
+    tier.close()
+
+
 def test_device_room_reads_the_allocators_limit_less_its_peak():
     class Dev:
         def __init__(self, stats):

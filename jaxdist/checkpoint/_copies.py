@@ -39,6 +39,28 @@ def _writes_replicated() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+class PinnedFull(RuntimeError):
+    """Pinned host memory ran out for a copy: the copies never go to device memory instead (a
+    device copy is lost with the process that holds it)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(
+            f"pinned host memory is exhausted ({str(error).splitlines()[0][:200]}); XLA's pinned "
+            "host allocator is capped (64 GiB by default): leave room for the tier's two copies "
+            "beside the program's own pinned buffers, or turn the tier off (JAXDIST_MEMORY_TIER=0)")
+
+
+def _to_pinned(leaves: list) -> list:
+    """``device_put`` of ``leaves`` to the ``pinned_host`` memory kind; ``PinnedFull`` when
+    that memory ran out (the other errors as ``device_put`` raises them)."""
+    try:
+        return jax.device_put(leaves, [x.sharding.with_memory_kind("pinned_host") for x in leaves])
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise PinnedFull(e) from e
+        raise
+
+
 def _pinned_copy(leaves: list[jax.Array]) -> list[jax.Array]:
     """Asynchronous copies of ``leaves`` (this process's blocks) in host memory, which later
     steps may donate the originals past: one ``device_put`` to the ``pinned_host`` memory kind
@@ -48,10 +70,9 @@ def _pinned_copy(leaves: list[jax.Array]) -> list[jax.Array]:
     device: Any = next(iter(leaves[0].sharding.device_set)) if leaves else None
     if leaves and device.platform != "cpu":
         try:
-            return jax.device_put(leaves, [x.sharding.with_memory_kind("pinned_host")
-                                           for x in leaves])
-        except (ValueError, NotImplementedError, TypeError, jax.errors.JaxRuntimeError):
-            pass  # no pinned host memory here: a device-side copy instead
+            return _to_pinned(leaves)
+        except (ValueError, NotImplementedError, TypeError):
+            pass  # no pinned host memory kind on this backend: a device-side copy instead
     return _per_device_copy(leaves)
 
 
@@ -119,6 +140,21 @@ def _bytes_by_device(leaves: list) -> dict:
     return by
 
 
+def _peak(leaves: list) -> int | None:
+    """The highest peak use (``memory_stats()["peak_bytes_in_use"]``) of the devices holding
+    ``leaves``; None where a device reports none."""
+    peak = 0
+    for device in {d for x in leaves for d in x.sharding.device_set}:
+        try:
+            used = (device.memory_stats() or {}).get("peak_bytes_in_use")
+        except Exception:  # noqa: BLE001 - not every backend reports memory
+            return None
+        if used is None:
+            return None
+        peak = max(peak, int(used))
+    return peak
+
+
 def _device_room(leaves: list) -> tuple[bool, str]:
     """Whether every device holding ``leaves`` has room for one more copy of them beside the
     training step's peak (``memory_stats()``: the allocator's limit less the peak it has seen);
@@ -144,10 +180,10 @@ def _snapshot_to_host(leaves: list) -> tuple[list, list]:
     no step donates), then its asynchronous copy to ``pinned_host``. Keep the snapshot until the
     host copies have landed; the originals may be donated at once without waiting for them.
 
-    Raises what ``device_put`` raises where no pinned host memory exists."""
+    Raises what ``device_put`` raises where no pinned host memory exists, ``PinnedFull`` where
+    it ran out."""
     snap = _per_device_copy(leaves)
-    host = jax.device_put(snap, [x.sharding.with_memory_kind("pinned_host") for x in snap])
-    return host, snap
+    return _to_pinned(snap), snap
 
 
 def _warm_pinned_pool(leaves: list, copies: int = 2) -> None:

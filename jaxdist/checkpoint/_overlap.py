@@ -13,6 +13,11 @@ flight, and a copy is skipped (not waited for) while the previous snapshot is st
 A device without room for that extra state (``memory_stats()``: its allocator's limit less the
 peak it has seen) gets the direct copy instead, said in one log line: copies then read the state
 itself and the step after one may wait for it (the cadence measures that and copies less often).
+The room is checked again whenever the devices' peak has grown since (an evaluation, a longer
+batch), and a snapshot that runs out of device memory turns snapshots off the same way. Host
+copies never go to device memory: where pinned host memory runs out (XLA's pinned allocator is
+capped) the tier turns itself off in one line (``PinnedFull``), as a copy in device memory would
+be lost with its process.
 Pinned host memory is grown once at the tier's start (a throwaway copy, not counted as a copy's
 cost); JAX allocates every ``device_put``'s destination anew, so reuse rests on XLA's pinned host
 allocator keeping what it grew, and the tier never holds more than two copies. On XLA:CPU (device
@@ -26,8 +31,10 @@ import logging
 import jax
 
 from jaxdist.checkpoint._copies import (
+    PinnedFull,
     _device_room,
     _is_host_device,
+    _peak,
     _pinned_copy,
     _snapshot_to_host,
     _warm_pinned_pool,
@@ -39,8 +46,9 @@ logger = logging.getLogger("jaxdist.checkpoint.memstate")
 class _Overlap:
     """The tier's way of copying: ``snapshots`` (copy an on-device snapshot) or the direct copy."""
 
-    def __init__(self, snapshots: bool):
+    def __init__(self, snapshots: bool, peak: int | None = None):
         self.snapshots = snapshots
+        self._peak = peak  # the devices' peak use when their room was last checked
 
     @classmethod
     def start(cls, blocks: list) -> _Overlap | None:
@@ -48,6 +56,7 @@ class _Overlap:
         pinned pool and the snapshot's compile warmed once; None on XLA:CPU (today's copy)."""
         if not blocks or _is_host_device(blocks):
             return None
+        peak = _peak(blocks)
         room, why = _device_room(blocks)
         try:
             if room:
@@ -56,8 +65,10 @@ class _Overlap:
                 del snap
                 _warm_pinned_pool(blocks, copies=1)  # a second copy held beside the first
                 del host
-                return cls(True)
+                return cls(True, peak)
             _warm_pinned_pool(blocks, copies=2)
+        except PinnedFull:
+            raise  # never a device copy instead: the tier turns itself off
         except (ValueError, NotImplementedError, TypeError, jax.errors.JaxRuntimeError) as e:
             if room and "RESOURCE_EXHAUSTED" in str(e):
                 why = f"allocating a snapshot failed ({str(e).splitlines()[0][:200]})"
@@ -70,8 +81,20 @@ class _Overlap:
         return cls(False)
 
     def to_host(self, blocks: list) -> tuple[list, list | None]:
-        """``(host copies, the device snapshot they read or None)``, dispatched asynchronously."""
+        """``(host copies, the device snapshot they read or None)``, dispatched asynchronously.
+
+        Raises ``PinnedFull`` when pinned host memory ran out."""
         if self.snapshots:
+            peak = _peak(blocks)
+            if peak is not None and self._peak is not None and peak > self._peak:
+                # The step's peak grew (a longer sequence, an evaluation): room checked again.
+                self._peak = peak
+                room, why = _device_room(blocks)
+                if not room:
+                    self.snapshots = False
+                    logger.warning("in-memory tier: copying the state directly from now on: %s. "
+                                   "The step after each copy may wait for it", why)
+                    return _pinned_copy(blocks), None
             try:
                 return _snapshot_to_host(blocks)
             except jax.errors.JaxRuntimeError as e:

@@ -54,6 +54,7 @@ from jaxdist.checkpoint._assemble import RejoinRequired as RejoinRequired
 from jaxdist.checkpoint._assemble import StateMismatchError as StateMismatchError
 from jaxdist.checkpoint._cadence import _Cadence
 from jaxdist.checkpoint._copies import (
+    PinnedFull,
     _arrays,
     _Blocks,
     _blocks,
@@ -269,6 +270,9 @@ class StateTier:
         start = time.perf_counter()
         try:
             host, held = self._copy_all(_arrays(state))
+        except PinnedFull as e:
+            self._off(str(e))
+            return False
         except Exception as e:  # noqa: BLE001 - the tier never stops training
             self._off(f"copying the state to host memory failed ({type(e).__name__}: {e})")
             return False
@@ -379,7 +383,11 @@ class StateTier:
             except OSError:
                 pass  # a full directory: the slots' own writes will say so
         if self._overlap is None:
-            self._overlap = _Overlap.start(self._blocks_of(leaves))
+            try:
+                self._overlap = _Overlap.start(self._blocks_of(leaves))
+            except PinnedFull as e:
+                self._off(str(e))
+                return False
         self._cadence = _Cadence(self._every, self._budget,
                                  host_is_device=jax.default_backend() == "cpu", nbytes=need)
         for target, name in ((self._writer, "jaxdist-memstate"),
