@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +85,39 @@ def test_the_save_policies_implement_the_protocol():
                    AnyOf(EveryNSteps(2), BestMetric("val_loss"))):
         assert isinstance(policy, SavePolicy)
     assert not isinstance(object(), SavePolicy)
+
+
+@pytest.mark.parametrize("data, says", [
+    ([np.ones((4, 2)), np.ones(4)], "a list is not a source fit can read (it has no iterator and "
+                                    "no global_batch_size"),
+    ((b for b in [np.ones(4)]), "a generator is not a source"),
+    (type("NoIterator", (), {"global_batch_size": 4})(), "a NoIterator is not a source fit can read "
+                                                          "(it has no iterator;"),
+])
+def test_fit_refuses_what_is_not_a_source_at_its_call_saying_what_to_pass(data, says):
+    step = jaxdist.OneDeviceStrategy().step(lambda w, b: (w, {"loss": w}))
+    with pytest.raises(TypeError, match=r"^fit data: " + re.escape(says) + r".* pass "
+                       r"strategy\.distribute\(data, global_batch_size\)"):
+        jaxdist.fit(step, jax.numpy.float32(0.0), data, batch_size=4, verbose=0)
+
+
+def test_a_source_of_ones_own_trains_in_fit_and_the_ps_dataset_conforms():
+    """An ``EpochSource`` that is not a DistributedDataset trains as one does."""
+    s = jaxdist.OneDeviceStrategy()
+    dist = s.distribute(np.arange(12, dtype=np.float32), 4, shuffle=False)
+
+    class Mine:  # the members of EpochSource, nothing else
+        global_batch_size = 4
+
+        def iterator(self, *, epoch=0, position=0):
+            return dist.iterator(epoch=epoch, position=position)
+
+    def step(w, batch):
+        return w + jaxdist.compute_average_loss(batch.data, batch.mask), {"mean": w}
+
+    ours = jaxdist.fit(s.step(step), jax.numpy.float32(0.0), Mine(), epochs=2, verbose=0)
+    theirs = jaxdist.fit(s.step(step), jax.numpy.float32(0.0), dist, epochs=2, verbose=0)
+    assert ours.history == theirs.history and float(ours.state) == float(theirs.state)
+    it = PSDataset(np.arange(8.0), 4, shuffle=False).iterator()
+    assert isinstance(it, EpochIterator) and [b[0].tolist() for b in it] == [[0, 1, 2, 3],
+                                                                             [4, 5, 6, 7]]

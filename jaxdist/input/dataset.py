@@ -212,7 +212,7 @@ class DistributedDataset:
         self._ahead = 1  # batches placed ahead of use at a time (in-memory arrays: see __init__)
         self._on_device = False  # in-memory arrays gathered on the devices (see _keep_on_device)
         self._device_arrays = None  # ... placed there on first use
-        self._on_device_asked: bool | None = None  # what distribute(on_device=...) said
+        self._on_device_asked = None  # what distribute(on_device=...) said (in-memory arrays)
         self._placing = threading.Lock()
         self._gathers: dict = {}  # compiled gathers, by the shape of what they make
         self._full_masks: dict = {}  # the device mask of a stack of full batches, by its shape

@@ -13,7 +13,14 @@ of your own that has these members works in ``fit`` as they do.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
+
+import jax
+import numpy as np
+
+InMemoryData = Union[tuple, dict, np.ndarray, jax.Array]
+"""In-memory arrays ``fit`` distributes itself (with ``batch_size=``): ``(x, y)``, a dict of arrays,
+one array."""
 
 
 @runtime_checkable

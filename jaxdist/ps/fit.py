@@ -25,8 +25,7 @@ copy per batch across processes.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -89,16 +88,29 @@ class PSStep:
 
 
 class _Iterator:
+    """One epoch of a ``PSDataset``: full batches in ``order`` from batch ``position`` on (a
+    ``jaxdist.input.EpochIterator``)."""
+
     def __init__(self, data: tuple, order: np.ndarray, batch: int, position: int):
         self._data, self._order, self._batch = data, order, batch
         self.position = position
         self.last_num_real = batch
 
-    def __iter__(self) -> Iterator[tuple]:
-        while (self.position + 1) * self._batch <= len(self._order):
-            idx = self._order[self.position * self._batch:(self.position + 1) * self._batch]
-            self.position += 1
-            yield tuple(np.asarray(a)[idx] for a in self._data)
+    def __iter__(self) -> "_Iterator":
+        return self
+
+    def __next__(self) -> tuple:
+        if (self.position + 1) * self._batch > len(self._order):
+            raise StopIteration
+        idx = self._order[self.position * self._batch:(self.position + 1) * self._batch]
+        self.position += 1
+        return tuple(np.asarray(a)[idx] for a in self._data)
+
+    def __enter__(self) -> "_Iterator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def state(self) -> dict[str, int]:
         return {"position": self.position}
@@ -138,8 +150,8 @@ class PSDataset:
     def __len__(self) -> int:
         return self.num_examples // self.global_batch_size
 
-    @contextlib.contextmanager
-    def iterator(self, *, epoch: int = 0, position: int = 0):
+    def iterator(self, *, epoch: int = 0, position: int = 0) -> _Iterator:
+        """The batches of ``epoch`` after the first ``position`` (a ``jaxdist.input.EpochSource``)."""
         order = (np.random.default_rng(self.seed + epoch).permutation(self.num_examples)
                  if self.shuffle else np.arange(self.num_examples))
-        yield _Iterator(self.data, order, self.global_batch_size, position)
+        return _Iterator(self.data, order, self.global_batch_size, position)

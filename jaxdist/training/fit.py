@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -40,7 +41,7 @@ import numpy as np
 from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
 from jaxdist.core import PyTree
 from jaxdist.core.step import DistributedStep, check_max_in_flight
-from jaxdist.input.dataset import DistributedDataset
+from jaxdist.input.protocols import EpochSource, GroupedEpochSource, InMemoryData
 from jaxdist.launch.cluster import ENV_LAST_FAILURE, ENV_LAST_FAILURE_STEP
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def _finished(flat: dict[str, Any]) -> bool:
     """Whether every value of one call's metrics can be read without waiting."""
     for v in flat.values():
         if isinstance(v, jax.Array):
-            if not v.is_ready():
+            if not v.is_ready():  # type: ignore[attr-defined]
                 return False
         elif isinstance(v, (np.ndarray, np.generic, int, float)):
             continue
@@ -201,27 +202,55 @@ def _check_steps_per_execution(k: Any) -> int:
     return int(k)
 
 
-def _grouped_step(step: Callable, dataset: Any, k: int, what: str) -> None:
+def _grouped_step(step: Callable, dataset: EpochSource, k: int, what: str) -> None:
     """Refuses ``steps_per_execution > 1`` where it cannot run, saying why."""
     if not hasattr(step, "steps"):
         raise ValueError(
             f"{what}(steps_per_execution={k}) needs a step compiled by strategy.step / "
             f"@jaxdist.mirrored (or a plain function), got {type(step).__name__}, which runs its "
             "steps elsewhere; use steps_per_execution=1")
-    if not isinstance(dataset, DistributedDataset):
+    if not isinstance(dataset, GroupedEpochSource):
         raise ValueError(
-            f"{what}(steps_per_execution={k}) needs data from strategy.distribute (or raw arrays "
+            f"{what}(steps_per_execution={k}) needs a source that hands out groups of batches "
+            f"(jaxdist.input.GroupedEpochSource: strategy.distribute's datasets, or raw arrays "
             f"with batch_size=), got {type(dataset).__name__}; use steps_per_execution=1")
 
 
-def _as_dataset(data: Any, strategy, batch_size: int | None, shuffle: bool, seed: int,
-                what: str) -> DistributedDataset:
-    if isinstance(data, DistributedDataset):
+def _as_dataset(data: EpochSource | InMemoryData, strategy, batch_size: int | None,
+                shuffle: bool, seed: int, what: str) -> EpochSource:
+    """``data`` as a source ``fit`` reads: an ``EpochSource`` as it is, in-memory arrays through
+    ``strategy.distribute``; anything else refused in one line saying what to pass."""
+    if isinstance(data, EpochSource):
         return data
-    if batch_size is None:
-        raise ValueError(f"{what} is not a jaxdist.DistributedDataset, so pass batch_size= (the "
-                         f"global batch size) or build one with strategy.distribute(data, batch)")
-    return strategy.distribute(data, batch_size, shuffle=shuffle, seed=seed)
+    if isinstance(data, (tuple, dict, np.ndarray, jax.Array)):
+        if batch_size is None:
+            raise ValueError(f"{what} is not a jaxdist.DistributedDataset, so pass batch_size= "
+                             "(the global batch size) or build one with "
+                             "strategy.distribute(data, batch)")
+        return strategy.distribute(data, batch_size, shuffle=shuffle, seed=seed)
+    raise TypeError(_not_a_source(data, what))
+
+
+def _grouped(source: EpochSource, what: str) -> GroupedEpochSource:
+    """``source`` where ``evaluate`` and ``predict`` need a ``GroupedEpochSource`` (they count
+    epochs and read ``shuffle``), or a one-line TypeError."""
+    if not isinstance(source, GroupedEpochSource):
+        raise TypeError(f"{what}: a {type(source).__name__} has no next_epoch / shuffle (see "
+                        "jaxdist.input.GroupedEpochSource): pass strategy.distribute(data, "
+                        "global_batch_size) or in-memory arrays with batch_size=")
+    return source
+
+
+def _not_a_source(data: object, what: str) -> str:
+    kind = ("a list" if isinstance(data, list) else "a generator"
+            if inspect.isgenerator(data) or inspect.isgeneratorfunction(data)
+            else f"a {type(data).__name__}")
+    missing = " and no ".join(m for m in ("iterator", "global_batch_size")
+                              if not hasattr(data, m))
+    return (f"{what}: {kind} is not a source fit can read (it has no {missing}; see "
+            "jaxdist.input.EpochSource): pass strategy.distribute(data, global_batch_size), "
+            "which takes arrays, an iterable of batches or a generator function, or in-memory "
+            "arrays (x, y) with batch_size=")
 
 
 def _as_step(step_fn: Callable, strategy, *, donate: bool) -> Any:  # a DistributedStep, or ps.fit's
@@ -234,8 +263,8 @@ def _strategy_of(step_fn: Callable, data: Any):
     from jaxdist.strategy.mirrored import DefaultStrategy, MirroredStrategy
 
     s = getattr(step_fn, "strategy", None)
-    if s is None and isinstance(data, DistributedDataset):
-        s = data.strategy
+    if s is None and isinstance(data, EpochSource):
+        s = getattr(data, "strategy", None)
     if s is None and jax.process_count() > 1:
         # One job across the processes (as @jaxdist.mirrored under `jaxdist launch`): the
         # default strategy's one device belongs to process 0, which every other process cannot
@@ -246,7 +275,8 @@ def _strategy_of(step_fn: Callable, data: Any):
     return s or DefaultStrategy()
 
 
-def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
+def evaluate(eval_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /, *,
+             batch_size: int | None = None,
              steps: int | None = None, max_in_flight: int = 4,
              steps_per_execution: int = 1) -> dict[str, float]:
     """Runs ``eval_step(state, batch) -> metrics`` over ``data``; returns count-weighted means.
@@ -275,12 +305,13 @@ def evaluate(eval_step: Callable, state: PyTree, data: Any, /, *, batch_size: in
     group = _check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(eval_step, data)
     step = _as_step(eval_step, strategy, donate=False)
-    dataset = _as_dataset(data, strategy, batch_size, False, 0, "evaluate data")
+    dataset = _grouped(_as_dataset(data, strategy, batch_size, False, 0, "evaluate data"),
+                       "evaluate data")
     if group > 1:
         _grouped_step(step, dataset, group, "evaluate")
     meter = _Meter(max_in_flight)
     # The next epoch, as iter(dataset): a shuffled dataset visits the order K=1 would.
-    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else dataset.next_epoch()
     with run as it:
         for k, item in enumerate(it):
             if group == 1 and steps is not None and k >= steps:
@@ -307,7 +338,8 @@ def _to_host(x: Any) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: int | None = None,
+def predict(predict_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /, *,
+            batch_size: int | None = None,
             steps: int | None = None, max_in_flight: int = 4,
             steps_per_execution: int = 1) -> PyTree:
     """Runs ``predict_step(state, batch) -> predictions`` over ``data``; returns them in input order.
@@ -344,7 +376,8 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
     group = _check_steps_per_execution(steps_per_execution)
     strategy = _strategy_of(predict_step, data)
     step = _as_step(predict_step, strategy, donate=False)
-    dataset = _as_dataset(data, strategy, batch_size, False, 0, "predict data")
+    dataset = _grouped(_as_dataset(data, strategy, batch_size, False, 0, "predict data"),
+                       "predict data")
     if dataset.shuffle:
         raise ValueError("predict got a dataset built with shuffle=True, so the predictions could not "
                          "be in input order; build it with strategy.distribute(data, batch_size)")
@@ -369,7 +402,7 @@ def predict(predict_step: Callable, state: PyTree, data: Any, /, *, batch_size: 
         host = jax.tree.map(_to_host, out)
         chunks.extend(jax.tree.map(lambda v, i=i: v[i][keep[i]], host) for i in range(count))
 
-    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else iter(dataset)
+    run = dataset.next_epoch(group_size=group, steps=steps) if group > 1 else dataset.next_epoch()
     with run as it:
         for k, item in enumerate(it):
             if group > 1:
@@ -528,7 +561,7 @@ def _evaluation(train_step: Callable, strategy, dataset: Any, eval_step: Callabl
 def _check_validation_data(validation_data: Any) -> Any:
     """``validation_data`` as ``(x_val, y_val)`` or a dataset; anything else is refused in one
     line at ``fit``'s call, before any training (not deep in the model, or after an epoch)."""
-    if validation_data is None or isinstance(validation_data, DistributedDataset):
+    if validation_data is None or isinstance(validation_data, EpochSource):
         return validation_data
     if isinstance(validation_data, list):
         validation_data = tuple(validation_data)
@@ -570,8 +603,9 @@ def _split_validation(data: Any, validation_split: float | None, validation_data
     return head, tail
 
 
-def _fit_parts(train_step: Callable, strategy, data: Any, group: int, batch_size: int | None,
-               shuffle: bool, seed: int, evaluate_with: tuple) -> tuple[Any, Any, tuple | None]:
+def _fit_parts(train_step: Callable, strategy, data: EpochSource | InMemoryData, group: int,
+               batch_size: int | None, shuffle: bool, seed: int,
+               evaluate_with: tuple) -> tuple[Any, Any, tuple | None]:
     """``fit``'s compiled step, training dataset and evaluation (see ``_evaluation``)."""
     step = _as_step(train_step, strategy, donate=True)
     dataset = _as_dataset(data, strategy, batch_size, shuffle, seed, "fit data")
@@ -632,7 +666,7 @@ def _one_epoch(run: _Run, epoch: int, position: int) -> None:
         cb.on_epoch_begin(info)
     meter = _Meter(run.max_in_flight)
     options = {} if group == 1 else {"group_size": group}
-    if run.steps_per_epoch is not None and isinstance(dataset, DistributedDataset):
+    if run.steps_per_epoch is not None and isinstance(dataset, GroupedEpochSource):
         options["steps"] = max(1, run.steps_per_epoch - position)  # none made past the last
     info._read_all = meter.drain
     with dataset.iterator(epoch=epoch, position=position, **options) as it:
@@ -688,7 +722,8 @@ def _train(run: _Run, epochs: int) -> str:
     return nothing
 
 
-def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
+def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /, *,
+        epochs: int = 1,
         steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
@@ -702,7 +737,10 @@ def fit(train_step: Callable, state: PyTree, data: Any, /, *, epochs: int = 1,
       train_step: a step from ``@jaxdist.mirrored`` / ``strategy.step``, or a plain function (it is
         then compiled with the dataset's strategy, or the default strategy).
       state: the initial train state; it is donated to the first step once placed.
-      data: a ``DistributedDataset`` (``strategy.distribute(...)``), or raw arrays with ``batch_size``.
+      data: a ``DistributedDataset`` (``strategy.distribute(...)``) or any other
+        ``jaxdist.input.EpochSource`` (``GroupedEpochSource`` for ``steps_per_execution > 1``),
+        or in-memory arrays with ``batch_size``. Anything else (a list, a generator) is refused
+        at the call with a ``TypeError`` saying what to pass (``strategy.distribute(...)``).
       epochs: train until this epoch (exclusive of ``initial_epoch``'s predecessors).
       steps_per_epoch: cap on steps per epoch (default: one pass over the data).
       eval_step, eval_data: evaluated after each epoch; metrics are logged as ``val_<name>``.
