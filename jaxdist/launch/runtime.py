@@ -150,7 +150,8 @@ def _accept_the_same_join(joined: ClusterSpec) -> None:
     """Lets the script's own ``jax.distributed.initialize(...)`` of the job it already joined on
     import be a no-op (a torchrun-style script calls it with MASTER_ADDR, WORLD_SIZE and RANK);
     JAX would raise "should only be called once". A call naming another job still raises, with
-    the reason and the fix."""
+    the reason and the fix. Also for a script that bound the function before importing jaxdist
+    (``from jax.distributed import initialize``): JAX's own state is asked the same way."""
     import inspect
 
     import jax
@@ -162,23 +163,40 @@ def _accept_the_same_join(joined: ClusterSpec) -> None:
         return
 
     def initialize_once(*args, **kwargs):
-        given = signature.bind_partial(*args, **kwargs).arguments
-        address, count, pid = (given.get("coordinator_address"), given.get("num_processes"),
-                               given.get("process_id"))
-        ours_port = (joined.coordinator_address or "").rpartition(":")[2]
-        if ((address is None or str(address).rpartition(":")[2] == ours_port)
-                and count in (None, joined.num_processes) and pid in (None, joined.process_id)):
-            logger.info("jax.distributed.initialize: this process already joined %s when it "
-                        "imported jaxdist; nothing to do", _job(joined))
-            return None
-        raise RuntimeError(
-            f"jax.distributed.initialize(coordinator_address={address!r}, num_processes={count!r}, "
-            f"process_id={pid!r}): this process already joined {_job(joined)} when it imported "
-            "jaxdist (jaxdist launch does that). Fix: leave this call out, or launch with "
-            "JAXDIST_JOIN_ON_IMPORT=0 to join on your own.")
+        _same_join(joined, signature.bind_partial(*args, **kwargs).arguments)
 
     initialize_once.__wrapped__ = original  # type: ignore[attr-defined]
     jax.distributed.initialize = initialize_once
+    try:  # JAX's private state: where it moved, a name bound early gets JAX's own error
+        from jax._src import distributed as _distributed
+
+        state = _distributed.global_state
+        state_signature = inspect.signature(state.initialize)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return
+
+    def state_initialize_once(*args, **kwargs):
+        _same_join(joined, state_signature.bind_partial(*args, **kwargs).arguments)
+
+    state.initialize = state_initialize_once
+
+
+def _same_join(joined: ClusterSpec, given: dict) -> None:
+    """Nothing (said at INFO) when ``given`` (``initialize``'s arguments) names the job this
+    process joined on import; else a RuntimeError of one line with the fix."""
+    address, count, pid = (given.get("coordinator_address"), given.get("num_processes"),
+                           given.get("process_id"))
+    ours_port = (joined.coordinator_address or "").rpartition(":")[2]
+    if ((address is None or str(address).rpartition(":")[2] == ours_port)
+            and count in (None, joined.num_processes) and pid in (None, joined.process_id)):
+        logger.info("jax.distributed.initialize: this process already joined %s when it "
+                    "imported jaxdist; nothing to do", _job(joined))
+        return
+    raise RuntimeError(
+        f"jax.distributed.initialize(coordinator_address={address!r}, num_processes={count!r}, "
+        f"process_id={pid!r}): this process already joined {_job(joined)} when it imported "
+        "jaxdist (jaxdist launch does that). Fix: leave this call out, or launch with "
+        "JAXDIST_JOIN_ON_IMPORT=0 to join on your own.")
 
 
 def _backend_started() -> bool:
