@@ -182,3 +182,13 @@ def test_a_callback_that_asks_for_the_newest_metrics_waits_for_them():
     jaxdist.fit(step, jax.numpy.float32(0.0), data, epochs=1, verbose=0, callbacks=[Newest()])
     # Step k (1-based) has loss k - 1: the running mean over steps 1..k is (k - 1) / 2.
     assert seen == [(k, (k - 1) / 2, (k - 1) / 2) for k in (1, 2, 3)]
+
+
+def test_fit_with_raw_arrays_in_a_launched_process_that_never_joined_says_so(monkeypatch):
+    # before: a process that started JAX before importing jaxdist trained alone on every rank,
+    # silently, where a strategy raised
+    monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "2")
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(RuntimeError, match=r"^fit: this process is one of 2 .* has not joined"):
+        jaxdist.fit(lambda w, b: (w, {"loss": w}), jax.numpy.float32(0.0),
+                    np.ones(8, np.float32), batch_size=4, verbose=0)

@@ -265,6 +265,10 @@ def _strategy_of(step_fn: Callable, data: Any):
     s = getattr(step_fn, "strategy", None)
     if s is None and isinstance(data, EpochSource):
         s = getattr(data, "strategy", None)
+    if s is None:  # one of several launched processes that never joined: one line, not alone
+        from jaxdist.launch import runtime
+
+        runtime.check_joined("fit")
     if s is None and jax.process_count() > 1:
         # One job across the processes (as @jaxdist.mirrored under `jaxdist launch`): the
         # default strategy's one device belongs to process 0, which every other process cannot
