@@ -365,3 +365,26 @@ def test_a_torchrun_style_initialize_after_import_joins_the_same_job(tmp_path):
                      grace_period_s=5, env=ENV, cwd=REPO)
     assert res.returncode != 0
     assert "already joined the job at" in res.output and "JAXDIST_JOIN_ON_IMPORT=0" in res.output
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nnodes", "1", "--nproc-per-node", "2"], "--nnodes 1 is torchrun's one-host job: leave "
+                                                 "out --nnodes"),
+    (["-n", "2", "--nnodes", "2:3"], "--nnodes 2:3 needs --rdzv-endpoint HOST:PORT"),
+    (["-n", "2", "--tee", "3"], "--tee is torchrun's; leave it out"),
+    (["-n", "2", "--log_dir=logs"], "--log_dir is torchrun's; leave it out"),
+    (["-n", "2", "--monitor-interval", "5"], "--monitor-interval is torchrun's"),
+    (["-n", "2", "--start-method", "spawn"], "--start-method is torchrun's"),
+    (["-n", "2", "--rdzv-conf", "timeout=9"], "--rdzv-conf is torchrun's"),
+    (["-n", "2", "--no-python"], "--no-python is torchrun's"),
+])
+def test_torchruns_other_options_are_one_usage_line_each(argv, says, capsys):
+    # before: "rdzv_endpoint = None" for a one-host --nnodes 1, argparse's "unrecognized
+    # arguments" for the others (in-process: the launcher's own argument checks)
+    from jaxdist.launch import launcher
+
+    with pytest.raises(SystemExit) as done:
+        launcher.main([*argv, "train.py"])
+    assert done.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("jaxdist launch: error: " + says), last

@@ -174,18 +174,41 @@ _TORCHRUN_INSTEAD = {
                      "--nnodes MIN:MAX --rdzv-endpoint HOST:PORT",
     "--rdzv-backend": "leave it out: the rendezvous store is jaxdist's own (--rdzv-endpoint)",
 }
+_LEAVE_OUT = "leave it out: jaxdist launch has no such option; "
+_TORCHRUN_INSTEAD.update({
+    "--rdzv-conf": "leave it out: the rendezvous has its own options (--rdzv-timeout, "
+                   "--rdzv-last-call)",
+    "--monitor-interval": _LEAVE_OUT + "a process's exit is seen at once, a hang by "
+                                       "--hang-timeout",
+    "--start-method": _LEAVE_OUT + "every process is a fresh interpreter (a subprocess)",
+    "--role": _LEAVE_OUT + "every process of an SPMD job has the same role",
+    "--tee": _LEAVE_OUT + "every process's output is printed, prefixed with its rank",
+    "--redirects": _LEAVE_OUT + "every process's output is printed, prefixed with its rank",
+    "--log-dir": _LEAVE_OUT + "redirect the launcher's output (every line names its rank)",
+    "--logs-specs": _LEAVE_OUT + "redirect the launcher's output (every line names its rank)",
+    "--local-ranks-filter": _LEAVE_OUT + "every line names its rank: filter it with grep",
+    "--local-addr": _LEAVE_OUT + "each host's address comes from its rendezvous registration",
+    "--no-python": _LEAVE_OUT + "the target is a Python script or -m module",
+    "--run-path": _LEAVE_OUT + "give the script's path (script.py) or -m module",
+})
 _TORCHRUN_INSTEAD.update({"--node_rank": _TORCHRUN_INSTEAD["--node-rank"],
                           "--master_addr": _TORCHRUN_INSTEAD["--master-addr"],
                           "--master-port": _TORCHRUN_INSTEAD["--master-addr"],
                           "--master_port": _TORCHRUN_INSTEAD["--master-addr"],
-                          "--rdzv_backend": _TORCHRUN_INSTEAD["--rdzv-backend"]})
+                          "--rdzv_backend": _TORCHRUN_INSTEAD["--rdzv-backend"],
+                          **{o.replace("-", "_").replace("__", "--", 1): _TORCHRUN_INSTEAD[o]
+                             for o in ("--rdzv-conf", "--monitor-interval", "--start-method",
+                                       "--log-dir", "--logs-specs", "--local-ranks-filter",
+                                       "--local-addr", "--no-python", "--run-path")},
+                          "-r": _TORCHRUN_INSTEAD["--redirects"],
+                          "-t": _TORCHRUN_INSTEAD["--tee"]})
 
 _VALUE_OPTIONS = {"-n", "--num-processes", "--devices-per-process", "--max-restarts", "--port",
                   "--timeout", "--grace-period", "--ps", "--workers", "--hang-timeout",
                   "--init-timeout", "--nnodes", "--rdzv-endpoint", "--rdzv-id",
                   "--rdzv-timeout", "--rdzv-last-call",
                   *(a for names in _TORCHRUN_ALIASES.values() for a in names),
-                  *(o for o in _TORCHRUN_INSTEAD if o != "--standalone")}
+                  *(o for o in _TORCHRUN_INSTEAD if o not in ("--standalone", "--no-python"))}
 
 
 def _torchrun_mistake(options_argv: Sequence[str]) -> str | None:
@@ -312,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
             from jaxdist.launch.elastic import parse_nnodes
 
             nnodes = parse_nnodes(args.nnodes)
+            if args.rdzv_endpoint is None:
+                raise ValueError(
+                    "--nnodes 1 is torchrun's one-host job: leave out --nnodes "
+                    "(`jaxdist launch -n N script.py` is one)" if nnodes == (1, 1) else
+                    f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every "
+                    "host: where one of them serves the rendezvous store)")
         if args.rdzv_endpoint is not None:
             _check_endpoint(args.rdzv_endpoint)
         options = _Options(args.num_processes, args.devices_per_process, args.max_restarts,
