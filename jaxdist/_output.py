@@ -60,6 +60,59 @@ def keep_line(line: bytes, verbose: bool = False) -> bool:
     return verbose or not _CHATTER.match(line)
 
 
+_PREFIX = re.compile(rb"^(\[[^\]\s]*\] )?")
+_PEER_GONE = re.compile(rb"[Gg]loo|Connection (?:closed|reset) by peer|[Ss]ocket closed|"
+                        rb"[Bb]roken pipe|peer (?:process|task).*(?:died|gone|unhealthy)")
+_TRACEBACK_GOES_ON = (b"Traceback (most recent call last):", b"During handling of the above",
+                      b"The above exception was")
+
+
+class TracebackFolder:
+    r"""Folds the traceback a surviving process prints when a peer of its collective ends (a
+    Gloo "Connection closed by peer" error, some 40 lines) into one line: the launcher has
+    already said which process ended and why. Every other traceback passes as it is.
+
+    ``feed`` takes one output line of a process (``"[rank] "`` prefix allowed) and returns the
+    lines to show now: a traceback's lines are held until its exception line decides. ``flush``
+    returns what is still held (a process that ended mid-traceback).
+
+    >>> f = TracebackFolder()
+    >>> lines = [b"[1] Traceback (most recent call last):\n", b'[1]   File "x.py", line 3\n',
+    ...          b"[1] jax.errors.JaxRuntimeError: INTERNAL: Gloo: Connection closed by peer\n"]
+    >>> [out for line in lines for out in f.feed(line)]  # doctest: +ELLIPSIS
+    [b'[1] jax.errors.JaxRuntimeError: INTERNAL: Gloo: Connection closed by peer (a peer process ...)\n']
+    >>> [out for line in [b"[0] Traceback (most recent call last):\n", b"[0] ValueError: x\n"]
+    ...  for out in f.feed(line)]
+    [b'[0] Traceback (most recent call last):\n', b'[0] ValueError: x\n']
+    """
+
+    def __init__(self):
+        self._held: dict[bytes, list[bytes]] = {}
+
+    def feed(self, line: bytes) -> list[bytes]:
+        prefix = _PREFIX.match(line)[0]  # type: ignore[index]  # the pattern matches every line
+        text = line[len(prefix):]
+        held = self._held.get(prefix)
+        if held is None:
+            if not text.startswith(_TRACEBACK_GOES_ON[0]):
+                return [line]
+            self._held[prefix] = [line]
+            return []
+        if (not text.strip() or text[:1] in (b" ", b"\t") or text.startswith(_TRACEBACK_GOES_ON)):
+            held.append(line)
+            return []
+        del self._held[prefix]  # the exception line: it decides
+        if not _PEER_GONE.search(text):
+            return [*held, line]
+        return [prefix + text.rstrip(b"\r\n") + b" (a peer process of the collective ended, as "
+                b"said above; the %d-line traceback is left out: -v shows it)\n" % len(held)]
+
+    def flush(self) -> list[bytes]:
+        held = [line for lines in self._held.values() for line in lines]
+        self._held.clear()
+        return held
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """``--help`` with ``(default: X)`` after each option whose default is a value.
 

@@ -352,17 +352,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     lock = threading.Lock()
     verbose = args.verbose or _output.verbose_from_env()
+    folder = None if verbose else _output.TracebackFolder()  # a survivor's peer-death traceback
 
     def emit(stream: str, line: bytes) -> None:
         if not _output.keep_line(line, verbose):
             return  # gloo's "[Gloo] Rank N is connected" chatter (see jaxdist/_output.py)
         out = sys.stdout if stream == "stdout" else sys.stderr
         with lock:  # whole lines only, so ranks never interleave within a line
-            try:
+            lines = folder.feed(line) if folder is not None and stream == "stderr" else [line]
+            write(out, lines)
+
+    def write(out, lines: list[bytes]) -> None:
+        try:
+            for line in lines:
                 out.buffer.write(line)
-                out.buffer.flush()
-            except (BrokenPipeError, ValueError):
-                pass  # the reader went away (`| head`); keep draining so children never block
+            out.buffer.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the reader went away (`| head`); keep draining so children never block
 
     try:
         launcher = _Launcher(target, options, emit, None, None)
@@ -381,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         return 1
     finally:
+        if folder is not None:
+            with lock:
+                write(sys.stderr, folder.flush())  # a traceback cut off by its process's end
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
