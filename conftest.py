@@ -134,3 +134,28 @@ def pytest_sessionfinish(session, exitstatus):
               "JAXDIST_TEST_LEFTOVER_CHECK=0 skips this check when other work shares the "
               f"machine): {', '.join(left[:20])}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Every phase (setup, call, teardown) of every test, by file: the table CI prints at the end.
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # With --durations (CI's runs): where the suite's time goes, per test file.
+    if not config.getoption("durations", None) or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"time by test file (setup + call + teardown; {total:.0f} s "
+                                    f"in {len(ranked)} files)")
+    for path, seconds in ranked[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}  {path}")
+    if len(ranked) > 30:
+        rest = sum(s for _, s in ranked[30:])
+        terminalreporter.write_line(f"{rest:8.1f} s {rest / total:6.1%}  the other "
+                                    f"{len(ranked) - 30} files")
