@@ -20,6 +20,7 @@ from jaxdist import _compat
 from tests.conftest import REPO
 
 PKG = os.path.join(REPO, "jaxdist")
+RULES = "\n(the rule and how to meet it: CONTRIBUTING.md, 'The layout rules'; docs/architecture.md)"
 
 # What each top-level package (or module) may import from jaxdist, late imports included.
 ALLOWED = {
@@ -88,7 +89,7 @@ def test_imports_run_down_the_layers():
             there = _top(target)
             if there and there != here and there not in ALLOWED[here] and target in _known():
                 wrong.append(f"{name} imports {target} ({here} may use {sorted(ALLOWED[here])})")
-    assert not wrong, "\n".join(wrong)
+    assert not wrong, "\n".join(wrong) + RULES
 
 
 def _known() -> set[str]:
@@ -105,7 +106,8 @@ def test_no_module_imports_one_that_imports_it_back():
     reach = {name: _reachable(graph, name) for name in graph}
     groups = {frozenset([n] + [m for m in reach[n] if n in reach[m]]) for n in graph}
     cycles = sorted(" <-> ".join(sorted(g)) for g in groups if len(g) > 1)
-    assert not cycles, "modules that import each other (late imports included):\n" + "\n".join(cycles)
+    assert not cycles, ("modules that import each other (late imports included):\n"
+                        + "\n".join(cycles) + RULES)
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -217,7 +219,7 @@ def test_no_module_reaches_into_another_packages_privates():
     wrong = [w for name, path in _modules()
              for w in private_reach(name, open(path, encoding="utf-8").read(), subpackages)]
     assert not wrong, ("import through the package's public face (its __init__'s __all__) instead:\n"
-                       + "\n".join(wrong))
+                       + "\n".join(wrong) + RULES)
 
 
 @pytest.mark.parametrize("source", [
@@ -242,7 +244,8 @@ def test_no_subpackage_imports_the_top_package():
     wrong = [w for name, path in _modules()
              for w in top_package_imports(name, open(path, encoding="utf-8").read(), top, subpackages)]
     assert not wrong, ("import the name from its home module (jaxdist.training.fit.fit, ...), not "
-                       "from the top package, which imports every subpackage:\n" + "\n".join(wrong))
+                       "from the top package, which imports every subpackage:\n" + "\n".join(wrong)
+                       + RULES)
 
 
 @pytest.mark.parametrize("source", [
@@ -280,11 +283,12 @@ def slot_contents(path: str, source: str) -> list[str]:
 def test_launch_holds_no_module_about_slot_contents_or_checksums():
     launch = os.path.join(PKG, "launch")
     there = [m for m in TIER_MODULES_OUT_OF_LAUNCH if os.path.exists(os.path.join(launch, f"{m}.py"))]
-    assert not there, f"jaxdist/launch/ holds {there}: the slot files' format is jaxdist/checkpoint/'s"
+    assert not there, (f"jaxdist/launch/ holds {there}: the slot files' format is "
+                       f"jaxdist/checkpoint/'s{RULES}")
     wrong = [w for name, path in _modules() if name.startswith("jaxdist.launch.")
              for w in slot_contents(os.path.relpath(path, REPO), open(path, encoding="utf-8").read())]
     assert not wrong, "slot contents or checksums in jaxdist/launch/ (they are the tier's):\n" + \
-        "\n".join(wrong)
+        "\n".join(wrong) + RULES
     for m in ("_slots", "_pwrite"):
         assert os.path.isfile(os.path.join(PKG, "checkpoint", f"{m}.py")), m
     # the launcher's question, whether a slot holds a snapshot, is answered in launch
@@ -333,7 +337,7 @@ def test_no_function_is_over_a_hundred_lines():
     for _, path in _modules():
         rel = os.path.relpath(path, REPO).replace(os.sep, "/")
         found.update(long_functions(rel, open(path, encoding="utf-8").read()))
-    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them): {found}"
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them): {found}{RULES}"
 
 
 def test_the_function_length_check_finds_a_planted_long_function():
@@ -381,3 +385,14 @@ def test_the_version_is_the_distributions_and_a_source_tree_reads_pyproject(monk
     finally:
         monkeypatch.undo()
         importlib.reload(_version)
+
+
+def test_contributing_says_what_the_layout_tests_point_to():
+    page = open(os.path.join(REPO, "CONTRIBUTING.md"), encoding="utf-8").read()
+    for heading in ("## The layout rules", "## Adding one of the pluggable parts"):
+        assert heading in page, heading
+    for rule in ("Imports run one way", "Public faces", "imports the top package",
+                 "No function over 100 lines", "`launch` holds no arrays", "A moved module path"):
+        assert rule in page, rule
+    for part in ("A data source", "A cross-device op", "A save policy"):
+        assert f"**{part}**" in page, part

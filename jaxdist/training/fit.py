@@ -727,8 +727,7 @@ def _train(run: _Run, epochs: int) -> str:
 
 
 def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /, *,
-        epochs: int = 1,
-        steps_per_epoch: int | None = None, eval_step: Callable | None = None,
+        epochs: int = 1, steps_per_epoch: int | None = None, eval_step: Callable | None = None,
         eval_data: Any = None, callbacks: Sequence[Callback] = (), verbose: int = 1,
         batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
         initial_epoch: int = 0, max_in_flight: int = 8,
@@ -741,10 +740,9 @@ def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /
       train_step: a step from ``@jaxdist.mirrored`` / ``strategy.step``, or a plain function (it is
         then compiled with the dataset's strategy, or the default strategy).
       state: the initial train state; it is donated to the first step once placed.
-      data: a ``DistributedDataset`` (``strategy.distribute(...)``) or any other
-        ``jaxdist.input.EpochSource`` (``GroupedEpochSource`` for ``steps_per_execution > 1``),
-        or in-memory arrays with ``batch_size``. Anything else (a list, a generator) is refused
-        at the call with a ``TypeError`` saying what to pass (``strategy.distribute(...)``).
+      data: ``strategy.distribute(...)``'s dataset or any ``jaxdist.input.EpochSource``
+        (``GroupedEpochSource`` for ``steps_per_execution > 1``), or in-memory arrays with
+        ``batch_size``; anything else (a list, a generator) is a ``TypeError`` at the call.
       epochs: train until this epoch (exclusive of ``initial_epoch``'s predecessors).
       steps_per_epoch: cap on steps per epoch (default: one pass over the data).
       eval_step, eval_data: evaluated after each epoch; metrics are logged as ``val_<name>``.
@@ -756,9 +754,8 @@ def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /
         held out as ``validation_data`` (whose sample weights are not supported).
       callbacks: ``jaxdist.callbacks.Callback`` instances.
       verbose: 1 shows a progress bar per epoch (process 0 only), 0 is silent.
-      max_in_flight: most compiled calls dispatched but not finished (see the module docstring);
-        with ``steps_per_execution=K`` up to ``max_in_flight * K`` steps. The loop reads
-        metrics only once they are ready, so it never waits on the devices below this bound.
+      max_in_flight: most compiled calls dispatched but not finished (the module docstring
+        says why); with ``steps_per_execution=K`` up to ``max_in_flight * K`` steps.
       steps_per_execution: steps run per compiled call (Keras's name). ``K > 1`` stacks ``K``
         batches and loops over them on the device: the host dispatches, transfers and reads
         metrics back once per ``K`` steps, which speeds up small models whose steps take less
@@ -767,8 +764,7 @@ def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /
         run once per call, after its ``K`` steps (``TrainInfo.step`` is the last of them,
         ``TrainInfo.call_steps`` their count), so checkpoints, backups and preemption saves
         happen at ``K`` boundaries. Memory: ``K`` batches per call on the devices, and the
-        metrics of ``K`` steps. One compilation (for the stack of ``K``; a shorter group runs in
-        the same program).
+        metrics of ``K`` steps. One compilation (a shorter group runs in the same program).
 
     Returns:
       ``History`` with ``history`` (per-epoch metrics), ``state`` (trained), ``epochs`` and
@@ -780,11 +776,10 @@ def fit(train_step: Callable, state: PyTree, data: EpochSource | InMemoryData, /
     cover only the batches after the resume; the resumed epoch's progress bar starts there.
 
     Raises:
-      ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, the data holds no
-        batch, a step returning non-scalar metrics, or ``steps_per_execution`` not an int >= 1
-        (or > 1 with a step or data it cannot group: a parameter-server step, say);
-        ``validation_data`` with ``eval_data``, or without an ``eval_step`` to evaluate it, or
-        not ``(x_val, y_val)`` or a dataset; a bad ``validation_split``.
+      ValueError: ``max_in_flight`` out of range, ``steps_per_epoch`` < 1, no batch, non-scalar
+        metrics, ``steps_per_execution`` not an int >= 1 (or > 1 with a step or data it cannot
+        group: a parameter-server step, say); ``validation_data`` with ``eval_data``, without
+        an ``eval_step``, or not ``(x_val, y_val)`` or a dataset; a bad ``validation_split``.
 
     >>> import jax.numpy as jnp, numpy as np, jaxdist
     >>> s = jaxdist.MirroredStrategy()
