@@ -90,7 +90,7 @@ class TracebackFolder:
         self._held: dict[bytes, list[bytes]] = {}
 
     def feed(self, line: bytes) -> list[bytes]:
-        prefix = _PREFIX.match(line)[0]  # type: ignore[index]  # the pattern matches every line
+        prefix = _PREFIX.match(line)[0]  # the pattern matches every line
         text = line[len(prefix):]
         held = self._held.get(prefix)
         if held is None:

@@ -8,11 +8,11 @@ import pytest
 
 from jaxdist.launch.hang import HangDetector
 from jaxdist.launch.rendezvous import RendezvousClient, RendezvousError, serve
-from jaxdist.memstate import StateTier, _write_atomic, heartbeat_path
+from jaxdist.memstate import InMemoryTier, _write_atomic, heartbeat_path
 
 
 def test_stop_step_is_read_from_the_agents_file(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0)
+    tier = InMemoryTier(str(tmp_path), rank=0)
     assert tier.stop_step() is None
     _write_atomic(str(tmp_path / "stop"), b"12")
     assert tier.stop_step() == 12

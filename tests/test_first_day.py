@@ -143,7 +143,7 @@ def test_a_finished_job_leaves_no_memory_copy_for_the_next_run(tmp_path, monkeyp
     # A kept JAXDIST_STATE_DIR (the launcher tells users to set it to resume) outlives the job:
     # delete_checkpoint=True clears the tier's copy too, so the next training starts afresh.
     from jaxdist.launch import heartbeat
-    from jaxdist.memstate import StateTier
+    from jaxdist.memstate import InMemoryTier
 
     state_dir = tmp_path / "state"
     monkeypatch.setenv("JAXDIST_STATE_DIR", str(state_dir))
@@ -153,18 +153,18 @@ def test_a_finished_job_leaves_no_memory_copy_for_the_next_run(tmp_path, monkeyp
 
     def run(**kw):
         backup = jaxdist.callbacks.BackupAndRestore(
-            str(tmp_path / "b"), memory_tier=jaxdist.callbacks.MemoryTier(every=1), **kw)
+            str(tmp_path / "b"), memory_tier=jaxdist.checkpoint.MemoryTierPolicy(every=1), **kw)
         history = jaxdist.fit(s.step(models.classifier_train_step), _state(x),
                               s.distribute((x, y), 10), epochs=1, verbose=0, callbacks=[backup])
         return history, backup
 
     _, kept = run(delete_checkpoint=False)
-    assert StateTier(str(state_dir), rank=0).newest_local() is not None  # the tier held steps
+    assert InMemoryTier(str(state_dir), rank=0).newest_local() is not None  # the tier held steps
     first, _ = run(delete_checkpoint=False)  # resumes the kept final state: nothing to train
     assert first.epochs == []
     _, done = run()  # the same, deleting both tiers after success
     assert done.restored_from == "memory"
-    assert StateTier(str(state_dir), rank=0).newest_local() is None
+    assert InMemoryTier(str(state_dir), rank=0).newest_local() is None
     again, fresh = run()
     assert fresh.restored_from is None and again.epochs == [0]
 

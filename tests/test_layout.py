@@ -29,8 +29,8 @@ ALLOWED = {
     "launch": {"core", "_output", "_version", "_compat"},  # _compat: the launch.memstate and
     # launch.slot_files stubs
     "strategy": {"core", "input", "launch"},
-    "checkpoint": {"core", "strategy", "launch"},
-    "callbacks": {"core", "checkpoint", "launch"},
+    "checkpoint": {"core", "strategy", "launch", "_compat"},  # _compat: renamed names (RENAMED)
+    "callbacks": {"core", "checkpoint", "launch", "_compat"},
     "training": {"core", "input", "strategy", "checkpoint", "callbacks", "launch", "_output",
                  "_version"},
     "ps": {"core", "input", "strategy", "callbacks", "launch", "_output"},

@@ -13,8 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.checkpoint import _assemble, _slots, memstate
-from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.checkpoint import InMemoryTier, _assemble, _slots, memstate
 
 
 def _mesh(n=8):
@@ -40,7 +39,7 @@ def _same(a, b):
 
 
 def test_resumes_the_newest_of_two_slots_and_survives_donation(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1 if x.dtype != jnp.bool_ else x, s),
                    donate_argnums=0)
     state = _state(0)
@@ -50,14 +49,14 @@ def test_resumes_the_newest_of_two_slots_and_survives_donation(tmp_path):
     tier.close()
     steps = sorted(int(h["step"]) for _, _, h in _slots.slots(str(tmp_path)))
     assert steps == [4, 5]  # two slots: the newest two steps
-    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    snap = InMemoryTier(str(tmp_path), rank=0).resume(_state(0))
     assert snap.step == 5 and snap.data_state == {"epoch": 0, "position": 5}
     _same(snap.state, jax.tree.map(lambda x: x + 5 if x.dtype != jnp.bool_ else x, _state(0)))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
 def test_a_damaged_newest_snapshot_falls_back_to_the_older_one(tmp_path, damage):
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     for k in (1, 2):
         tier.save(k, _state(k))
         tier.flush()
@@ -76,53 +75,53 @@ def test_a_damaged_newest_snapshot_falls_back_to_the_older_one(tmp_path, damage)
     else:
         with open(_slots.header_path(rank_dir, newest), "w") as f:
             f.write('{"format": 1, "step": 2')  # half a header
-    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    snap = InMemoryTier(str(tmp_path), rank=0).resume(_state(0))
     assert snap is not None and snap.step == 1
     _same(snap.state, _state(1))
 
 
 def test_every_snapshot_damaged_gives_none_so_the_backup_is_used(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     tier.save(1, _state(1))
     tier.close()
     for _, slot, _ in list(_slots.slots(str(tmp_path))):
         path = _slots.data_path(str(tmp_path / "0"), slot)
         with open(path, "r+b") as f:
             f.write(b"\x00" * 32)
-    assert StateTier(str(tmp_path), rank=0).resume(_state(0)) is None
+    assert InMemoryTier(str(tmp_path), rank=0).resume(_state(0)) is None
 
 
 def test_a_snapshot_of_another_state_is_not_used(tmp_path):
-    tier = StateTier(str(tmp_path), rank=1)
+    tier = InMemoryTier(str(tmp_path), rank=1)
     tier.save(7, {"w": jnp.ones(2)})
     tier.close()
-    assert StateTier(str(tmp_path), rank=0).resume({"w": jnp.ones(3)}) is None
-    assert StateTier(None).resume({"w": jnp.ones(3)}) is None  # no directory: disabled
+    assert InMemoryTier(str(tmp_path), rank=0).resume({"w": jnp.ones(3)}) is None
+    assert InMemoryTier(None).resume({"w": jnp.ones(3)}) is None  # no directory: disabled
 
 
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
 def test_sharded_state_is_kept_block_by_block_and_restored_in_place(tmp_path, layout):
     mesh = _mesh()
     spec = P("data") if layout == "sharded" else P()
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     tier.save(3, _state(3, mesh, spec))
     tier.close()
     (header,) = [h for _, _, h in _slots.slots(str(tmp_path))]
     w_pieces = header["leaves"][-1]["pieces"]  # "w" sorts last
     assert len(w_pieces) == (8 if layout == "sharded" else 1)  # each block once
     target = _state(0, mesh, spec)
-    snap = StateTier(str(tmp_path), rank=0).resume(target)
+    snap = InMemoryTier(str(tmp_path), rank=0).resume(target)
     assert snap.source == 0  # read from this host, no collective
     _same(snap.state, _state(3))
     assert snap.state["w"].sharding == target["w"].sharding
 
 
 def test_a_snapshot_is_resharded_onto_another_layout(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     tier.save(5, _state(5, _mesh(8), P("data")))  # 8 blocks of "w"
     tier.close()
     target = _state(0, _mesh(2), P(None, "data"))  # 2 devices, split along the other axis
-    snap = StateTier(str(tmp_path), rank=0).resume(target)
+    snap = InMemoryTier(str(tmp_path), rank=0).resume(target)
     assert snap.source == -1  # put together by the collective path
     _same(snap.state, _state(5))
     assert snap.state["w"].sharding == target["w"].sharding
@@ -131,7 +130,7 @@ def test_a_snapshot_is_resharded_onto_another_layout(tmp_path):
 def test_a_directory_without_room_switches_the_tier_off_with_one_warning(tmp_path, monkeypatch,
                                                                           caplog):
     monkeypatch.setattr(memstate, "_free_bytes", lambda d: 1000)
-    tier = StateTier(str(tmp_path), rank=0)
+    tier = InMemoryTier(str(tmp_path), rank=0)
     with caplog.at_level("WARNING", logger="jaxdist.checkpoint.memstate"):
         assert tier.save(1, _state(1)) is False
         assert tier.save(2, _state(2)) is False
@@ -142,7 +141,7 @@ def test_a_directory_without_room_switches_the_tier_off_with_one_warning(tmp_pat
 
 def test_a_full_directory_while_writing_switches_the_tier_off_and_training_goes_on(
         tmp_path, monkeypatch, caplog):
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     assert tier.save(1, _state(1))
     tier.flush()
 
@@ -174,7 +173,7 @@ def test_copies_in_flight_are_bounded_and_a_step_past_the_bound_is_skipped_not_w
 
     monkeypatch.setattr(_slots, "write", slow)
     monkeypatch.setattr(memstate, "_PENDING_SMALL", 0)  # as for a large state: two snapshots
-    tier = StateTier(str(tmp_path), rank=0)  # measured cadence: not known yet
+    tier = InMemoryTier(str(tmp_path), rank=0)  # measured cadence: not known yet
     assert tier.save(1, _state(1))
     assert entered.wait(30)  # step 1's copy is done and being written (held up)
     assert tier.save(2, _state(2))  # queued: two snapshots in host memory
@@ -186,7 +185,7 @@ def test_copies_in_flight_are_bounded_and_a_step_past_the_bound_is_skipped_not_w
 
 
 def test_a_fixed_cadence_snapshots_every_n_steps(tmp_path):
-    tier = StateTier(str(tmp_path), rank=0, every=3)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=3)
     taken = []
     for k in range(1, 11):
         if tier.save(k, _state(k)):
@@ -287,7 +286,7 @@ def test_a_survivor_writes_the_newest_landed_copy_even_while_an_older_one_is_bei
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_slots, "write", slow)
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     assert tier.save(1, _state(1))
     assert entered.wait(30)
     assert tier.save(2, _state(2))  # lands while the writer still writes step 1
@@ -306,15 +305,15 @@ def test_a_survivor_writes_the_newest_landed_copy_even_while_an_older_one_is_bei
 def test_bad_settings_are_named_and_the_defaults_used(monkeypatch, caplog):
     # issue 37: a bad value used to raise in every rank, although the tier is optional
     monkeypatch.setenv(memstate.ENV_EVERY, "0")
-    assert StateTier("/tmp/x")._every is None
+    assert InMemoryTier("/tmp/x")._every is None
     assert "JAXDIST_MEMORY_TIER_EVERY='0': expected a whole number" in caplog.text
     monkeypatch.delenv(memstate.ENV_EVERY)
     for bad in ("5%", "nan", "inf"):
         monkeypatch.setenv(memstate.ENV_BUDGET, bad)
-        assert StateTier("/tmp/x")._budget == memstate.DEFAULT_BUDGET
+        assert InMemoryTier("/tmp/x")._budget == memstate.DEFAULT_BUDGET
         assert f"JAXDIST_MEMORY_TIER_BUDGET='{bad}'" in caplog.text
     with pytest.raises(ValueError, match="every=0"):  # an argument in code is still an error
-        StateTier("/tmp/x", every=0)
+        InMemoryTier("/tmp/x", every=0)
 
 
 def test_states_are_told_apart_by_paths_shapes_and_dtypes():

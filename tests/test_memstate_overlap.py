@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.checkpoint import _copies, _overlap, _pwrite, _slots, memstate
-from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.checkpoint import InMemoryTier, _copies, _overlap, _pwrite, _slots, memstate
 
 
 def _state(k):
@@ -41,7 +40,7 @@ def test_snapshots_are_copied_to_host_released_once_landed_and_survive_donation(
         return host, snap
 
     monkeypatch.setattr(_overlap, "_snapshot_to_host", spy)
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     state = _state(0)
     held_most = 0
     for k in range(1, 9):
@@ -56,7 +55,7 @@ def test_snapshots_are_copied_to_host_released_once_landed_and_survive_donation(
     with tier._cond:
         assert tier._ready.held is None and not tier._copies  # released once landed
     tier.close()
-    snap = StateTier(str(tmp_path), rank=0).resume(_state(0))
+    snap = InMemoryTier(str(tmp_path), rank=0).resume(_state(0))
     assert snap.step == 8
     for a, b in zip(jax.tree.leaves(snap.state), jax.tree.leaves(_state(8))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -67,7 +66,7 @@ def test_the_pool_warm_up_is_not_counted_as_a_copy(tmp_path, monkeypatch):
     warmed = []
     monkeypatch.setattr(_overlap, "_warm_pinned_pool",
                         lambda blocks, copies: warmed.append(copies))
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     tier.save(1, _state(1))
     assert warmed == [1]  # beside the snapshot's own warm-up copy: two copies' room
     assert len(tier._cadence._loops) == 1  # only the real copy's dispatch was timed
@@ -78,7 +77,7 @@ def test_a_device_without_room_for_a_snapshot_copies_directly_said_in_one_line(
         tmp_path, monkeypatch, caplog):
     _as_accelerator(monkeypatch)
     monkeypatch.setattr(_overlap, "_device_room", lambda blocks: (False, "no room (test)"))
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     with caplog.at_level(logging.WARNING):
         for k in range(1, 5):
             assert tier.save(k, _state(k))
@@ -87,7 +86,7 @@ def test_a_device_without_room_for_a_snapshot_copies_directly_said_in_one_line(
     assert len(said) == 1 and "no room (test)" in said[0], said
     assert not tier._overlap.snapshots
     tier.close()
-    assert StateTier(str(tmp_path), rank=0).resume(_state(0)).step == 4
+    assert InMemoryTier(str(tmp_path), rank=0).resume(_state(0)).step == 4
 
 
 def test_a_peak_that_grows_past_the_room_turns_snapshots_off_in_one_line(
@@ -98,7 +97,7 @@ def test_a_peak_that_grows_past_the_room_turns_snapshots_off_in_one_line(
     monkeypatch.setattr(_overlap, "_peak", lambda blocks: peak[0])
     monkeypatch.setattr(_overlap, "_device_room",
                         lambda blocks: (room[0], "" if room[0] else "no room beside 900 (test)"))
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     with caplog.at_level(logging.WARNING):
         for k in range(1, 7):
             if k == 4:  # an evaluation, a longer batch: the step's peak grows past the room
@@ -109,7 +108,7 @@ def test_a_peak_that_grows_past_the_room_turns_snapshots_off_in_one_line(
     said = [r.getMessage() for r in caplog.records if "directly" in r.message]
     assert len(said) == 1 and "no room beside 900 (test)" in said[0], said
     tier.close()
-    assert StateTier(str(tmp_path), rank=0).resume(_state(0)).step == 6
+    assert InMemoryTier(str(tmp_path), rank=0).resume(_state(0)).step == 6
 
 
 @pytest.mark.parametrize("when", ["start", "copy"])
@@ -128,7 +127,7 @@ def test_pinned_memory_exhausted_turns_the_tier_off_never_copying_to_the_device(
         return put(x, where, **kw)
 
     monkeypatch.setattr(jax, "device_put", device_put)
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     with caplog.at_level(logging.WARNING):
         assert tier.save(1, _state(1)) == (when == "copy")
         full[0] = True
@@ -219,7 +218,7 @@ def test_the_writer_times_a_copys_landing_from_its_snapshot(tmp_path, monkeypatc
         return host, [*snap, late[-1]]
 
     monkeypatch.setattr(_overlap, "_snapshot_to_host", waits)
-    tier = StateTier(str(tmp_path), rank=0, every=1)
+    tier = InMemoryTier(str(tmp_path), rank=0, every=1)
     landed = []
     monkeypatch.setattr(tier, "_first_save", _spy_landings(tier, tier._first_save, landed))
     for k in range(1, 4):

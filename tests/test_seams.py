@@ -79,14 +79,14 @@ def test_a_state_of_another_shape_gets_its_own_compiled_step(make_strategy):
 
 
 def test_memory_tier_saves_and_resumes_a_state_with_static_leaves(tmp_path):
-    from jaxdist.memstate import StateTier
+    from jaxdist.memstate import InMemoryTier
 
-    tier = StateTier(str(tmp_path / "tier"))
+    tier = InMemoryTier(str(tmp_path / "tier"))
     state = {"w": jnp.arange(4.0), "act": jnp.tanh}
     tier.save(3, state, {"position": 7})
     tier.flush()
     tier.close()
-    restored = StateTier(str(tmp_path / "tier")).resume({"w": jnp.zeros(4), "act": jnp.tanh})
+    restored = InMemoryTier(str(tmp_path / "tier")).resume({"w": jnp.zeros(4), "act": jnp.tanh})
     assert restored is not None
     got = restored.state
     assert got["act"] is jnp.tanh

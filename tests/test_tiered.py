@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.checkpoint import CheckpointManager, TieredCheckpointManager
+from jaxdist.checkpoint import CheckpointManager, InMemoryTier, MemoryTierPolicy, TieredCheckpointManager
 from jaxdist.launch import write_stop
-from jaxdist.memstate import MemoryTier, StateTier
 
 
 def _manager(tmp_path, **kw):
-    memory = None if "memory_tier" in kw else StateTier(str(tmp_path / "state"), rank=0, every=1)
+    memory = None if "memory_tier" in kw else InMemoryTier(str(tmp_path / "state"), rank=0, every=1)
     return TieredCheckpointManager(str(tmp_path / "backup"), memory=memory, **kw)
 
 
@@ -61,7 +60,7 @@ def test_restore_latest_takes_the_newer_copy_and_says_which_and_why(tmp_path, ca
     assert "restored step 3 from memory (epoch 0, batch 3): the backup's newest step is 2" in \
         caplog.text
     # The backup moves ahead of the memory copy (a run without the tier, say): it wins.
-    with _manager(tmp_path, memory_tier=MemoryTier(enabled=False)) as ckpt:
+    with _manager(tmp_path, memory_tier=MemoryTierPolicy(enabled=False)) as ckpt:
         ckpt.save(4, {"w": jnp.full(2, 4.0)}, {"epoch": 0, "position": 4}, force=True)
     caplog.clear()
     with _manager(tmp_path) as ckpt:
@@ -78,7 +77,7 @@ def test_a_newer_backup_that_does_not_restore_leaves_the_memory_copy_the_newer(t
     # newest step was newer, and the restore then fell back to an older backup than it
     with _manager(tmp_path, every_n_steps=2) as ckpt:
         _train(ckpt, 3)  # memory 3, backup 2
-    with _manager(tmp_path, memory_tier=MemoryTier(enabled=False)) as ckpt:
+    with _manager(tmp_path, memory_tier=MemoryTierPolicy(enabled=False)) as ckpt:
         ckpt.save(4, {"w": jnp.full(2, 4.0)}, {"epoch": 0, "position": 4}, force=True)
     shutil.rmtree(tmp_path / "backup" / "4" / "digests")  # step 4 no longer restores
     caplog.set_level(logging.INFO, logger="jaxdist.checkpoint")
@@ -97,7 +96,7 @@ def test_the_launchers_stop_step_and_a_preemption_stop_with_both_tiers_written(t
         assert not ckpt.should_stop(2) and ckpt.should_stop(3) and ckpt.stop_reason == "reform"
         assert ckpt.stop(3, state, {"epoch": 0, "position": 3}) == ("memory", "backup")
         # written, not in flight: a new process finds both at once
-        assert StateTier(str(tmp_path / "state"), rank=0).newest_local()[0] == 3
+        assert InMemoryTier(str(tmp_path / "state"), rank=0).newest_local()[0] == 3
         assert CheckpointManager(str(tmp_path / "backup")).all_steps() == [3]
         with pytest.raises(RuntimeError, match="asked to stop at step 3, seen only at step 5"):
             ckpt.should_stop(5, steps=2)  # the call that ran step 3 ended without seeing it
@@ -122,7 +121,7 @@ def test_finish_removes_both_tiers_copies_only_when_asked(tmp_path):
         _train(ckpt, 2, start=r.step)
         ckpt.finish(delete=True)
     assert sorted(os.listdir(tmp_path / "backup")) == ["notes.txt"]  # the user's file stays
-    assert StateTier(str(tmp_path / "state"), rank=0).newest_local() is None
+    assert InMemoryTier(str(tmp_path / "state"), rank=0).newest_local() is None
     np.testing.assert_array_equal(r.state["w"], [2.0, 2.0])
 
 
@@ -135,10 +134,10 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path):
         TieredCheckpointManager(where, every_n_steps=2, policy=EveryNSteps(2))
     with pytest.raises(TypeError, match="policy=3 has no should_save"):
         TieredCheckpointManager(where, policy=3)
-    with pytest.raises(TypeError, match="memory_tier=2: expected jaxdist.callbacks.MemoryTier"):
+    with pytest.raises(TypeError, match="memory_tier=2: expected jaxdist.checkpoint.MemoryTierPolicy"):
         TieredCheckpointManager(where, memory_tier=2)
     with pytest.raises(ValueError, match="either memory= .* or memory_tier="):
-        TieredCheckpointManager(where, memory=StateTier(None), memory_tier=MemoryTier())
+        TieredCheckpointManager(where, memory=InMemoryTier(None), memory_tier=MemoryTierPolicy())
     assert not os.path.exists(where)
     with pytest.raises(ValueError, match=r"TieredCheckpointManager\('.'\).*is the working "
                                          "directory; a backup needs a folder of its own"):

@@ -87,3 +87,27 @@ def alias(old: str) -> types.ModuleType:
     module = importlib.import_module(new)
     sys.modules[old] = module
     return module
+
+
+RENAMED = {  # removed in 0.5.0: an old public name -> its new one (the tier and its policy, 0.4)
+    "jaxdist.checkpoint.memstate.StateTier": "jaxdist.checkpoint.InMemoryTier",
+    "jaxdist.checkpoint.tier_policy.MemoryTier": "jaxdist.checkpoint.MemoryTierPolicy",
+    "jaxdist.callbacks.MemoryTier": "jaxdist.checkpoint.MemoryTierPolicy",
+}
+
+
+def renamed(module: str):
+    """A module ``__getattr__`` for ``module``'s names in :data:`RENAMED`: the new object, with a
+    ``DeprecationWarning`` naming the new name (AttributeError for any other name)."""
+
+    def __getattr__(name: str):
+        new = RENAMED.get(f"{module}.{name}")
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} is {new} (renamed in 0.4.0: the in-memory tier is "
+                      "InMemoryTier, its policy MemoryTierPolicy); the old name goes in 0.5.0",
+                      DeprecationWarning, stacklevel=2)
+        home, _, attr = new.rpartition(".")
+        return getattr(importlib.import_module(home), attr)
+
+    return __getattr__

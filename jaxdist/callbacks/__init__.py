@@ -13,6 +13,7 @@ Every public name is importable as ``jaxdist.callbacks.X``.
 'max'
 """
 
+from jaxdist import _compat
 from jaxdist.callbacks.checkpointing import BackupAndRestore as BackupAndRestore
 from jaxdist.callbacks.checkpointing import ModelCheckpoint as ModelCheckpoint
 from jaxdist.callbacks.checkpointing import TrainingPreempted as TrainingPreempted
@@ -31,9 +32,10 @@ from jaxdist.checkpoint.save_policy import EveryNEpochs as EveryNEpochs
 from jaxdist.checkpoint.save_policy import EveryNSteps as EveryNSteps
 from jaxdist.checkpoint.save_policy import SaveCandidate as SaveCandidate
 from jaxdist.checkpoint.save_policy import SavePolicy as SavePolicy
-from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
 
 __all__ = ["AnyOf", "BackupAndRestore", "BestMetric", "Callback", "EarlyStopping", "EveryNEpochs",
-           "EveryNSteps", "LearningRateScheduler", "MemoryTier", "ModelCheckpoint", "ProgressBar", "Resume",
+           "EveryNSteps", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar", "Resume",
            "SaveCandidate", "SavePolicy", "TensorBoard", "TerminateOnNaN", "TrainInfo", "TrainingPreempted",
            "get_hyperparam"]
+
+__getattr__ = _compat.renamed(__name__)  # MemoryTier: jaxdist.checkpoint.MemoryTierPolicy

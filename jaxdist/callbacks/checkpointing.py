@@ -20,7 +20,7 @@ from jaxdist.checkpoint.save_policy import (
     SavePolicy,
     resolve_mode,
 )
-from jaxdist.checkpoint.tier_policy import MemoryTier
+from jaxdist.checkpoint.tier_policy import MemoryTierPolicy
 from jaxdist.checkpoint.tiered import TieredCheckpointManager
 from jaxdist.launch import heartbeat
 
@@ -202,7 +202,7 @@ class BackupAndRestore(Callback):
     exactly the batches the uninterrupted one would have, and ends with the same parameters.
 
     Under ``jaxdist launch`` (or with ``JAXDIST_STATE_DIR`` set) there is also an in-memory tier
-    (``jaxdist.memstate.StateTier``): every few steps (as often as its cost budget allows: every
+    (``jaxdist.checkpoint.InMemoryTier``): every few steps (as often as its cost budget allows: every
     step for small states) the state and input position are copied to host shared memory in the
     background, and a restarted job resumes from the newest step the job's processes hold (put
     together over the network when hosts changed), so a failure costs at most the few steps the
@@ -225,7 +225,7 @@ class BackupAndRestore(Callback):
         files); the folder itself goes only when nothing else is left in it.
       delete_on_success: the older name of ``delete_checkpoint`` (it wins when given).
       preemption_exit_code: exit status after a preemption save.
-      memory_tier: how often the in-memory tier copies (``jaxdist.callbacks.MemoryTier``:
+      memory_tier: how often the in-memory tier copies (``jaxdist.checkpoint.MemoryTierPolicy``:
         ``every``, ``budget``, ``enabled``); None: as the environment says
         (``JAXDIST_MEMORY_TIER``, ``..._EVERY``, ``..._BUDGET``; by default measured, 5%).
 
@@ -234,14 +234,14 @@ class BackupAndRestore(Callback):
         holds the working directory or the running script (a backup needs a folder of its own).
 
     >>> import tempfile
-    >>> b = BackupAndRestore(tempfile.mkdtemp(), memory_tier=MemoryTier(every=2))
+    >>> b = BackupAndRestore(tempfile.mkdtemp(), memory_tier=MemoryTierPolicy(every=2))
     >>> b.memory_tier
-    MemoryTier(every=2, budget=0.05, enabled=True)
+    MemoryTierPolicy(every=2, budget=0.05, enabled=True)
     """
 
     def __init__(self, directory: str, *, every_n_steps: int | None = None,
                  delete_checkpoint: bool = True, delete_on_success: bool | None = None,
-                 preemption_exit_code: int = 0, memory_tier: MemoryTier | None = None):
+                 preemption_exit_code: int = 0, memory_tier: MemoryTierPolicy | None = None):
         refuse_shared_folder(directory, type(self).__name__)
         self.tiered = TieredCheckpointManager(directory, every_n_steps=every_n_steps,
                                               memory_tier=memory_tier, writer=type(self).__name__)
@@ -253,13 +253,13 @@ class BackupAndRestore(Callback):
     # The callback's attributes are the manager's own (one state, read and set through either).
     manager = property(lambda self: self.tiered.backup, doc="The backup's ``CheckpointManager``.")
     memory_tier = property(lambda self: self.tiered.memory_tier,
-                           doc="The in-memory tier's policy (``MemoryTier``).")
+                           doc="The in-memory tier's policy (``MemoryTierPolicy``).")
     memory_step = property(lambda self: self.tiered.memory_step,
                            doc="The in-memory tier's newest step at the start (None: it held none).")
 
     @property
     def memory(self):
-        """The in-memory tier (``jaxdist.memstate.StateTier``)."""
+        """The in-memory tier (``jaxdist.checkpoint.InMemoryTier``)."""
         return self.tiered.memory
 
     @memory.setter

@@ -19,8 +19,10 @@ from jaxdist.checkpoint.manager import (
     CheckpointMismatchError as CheckpointMismatchError,
 )
 from jaxdist.checkpoint.manager import Restored as Restored
+from jaxdist.checkpoint.memstate import InMemoryTier as InMemoryTier
+from jaxdist.checkpoint.tier_policy import MemoryTierPolicy as MemoryTierPolicy
 from jaxdist.checkpoint.tiered import TieredCheckpointManager as TieredCheckpointManager
 from jaxdist.checkpoint.tiered import TieredRestored as TieredRestored
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "Restored",
-           "TieredCheckpointManager", "TieredRestored"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "InMemoryTier",
+           "MemoryTierPolicy", "Restored", "TieredCheckpointManager", "TieredRestored"]

@@ -20,10 +20,11 @@ the host copy), else estimated from the write speed.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -197,7 +198,7 @@ def _median_se(values: Sequence[float], n: int) -> float:
     return 1.2533 * 1.4826 * statistics.median(abs(v - middle) for v in values) / math.sqrt(n)
 
 
-class _Measured(NamedTuple):
+class TierMeasurements(NamedTuple):
     """What :func:`_choose` decides from (seconds unless said)."""
 
     step_s: float  # a step, as the loop or the devices are timed
@@ -217,7 +218,7 @@ class _Measured(NamedTuple):
     write_gaps: tuple[int, ...]
 
 
-class _Choice(NamedTuple):
+class TierChoice(NamedTuple):
     """Steps between copies and between writes; the most steps a failure may cost when other
     processes survive it (``bound``) and when none does (``bound_all``)."""
 
@@ -239,7 +240,7 @@ def _charges(parts: dict[str, float], host_is_device: bool) -> tuple[float, floa
     return 2 * parts["loop_s"] + parts["copy_s"], parts["persist_cpu_s"]
 
 
-def _parts(m: _Measured) -> dict[str, float]:
+def _parts(m: TierMeasurements) -> dict[str, float]:
     parts = {"loop_s": m.loop_s, "copy_s": m.copy_s, "persist_cpu_s": m.persist_cpu_s,
              "persist_s": m.persist_s}
     if m.land_s is not None:
@@ -249,7 +250,7 @@ def _parts(m: _Measured) -> dict[str, float]:
     return parts
 
 
-def _choose(m: _Measured, *, every: int | None, budget: float, host_is_device: bool) -> _Choice:
+def _choose(m: TierMeasurements, *, every: int | None, budget: float, host_is_device: bool) -> TierChoice:
     """How often to copy and to write, and what a failure may cost then (steps).
 
     Copies as often as ``budget`` (a share of steps/s) allows, the writes within what is left
@@ -259,11 +260,11 @@ def _choose(m: _Measured, *, every: int | None, budget: float, host_is_device: b
     the steps a copy takes to land, less one; copies come only at a call's end, so a gap is a
     whole number of calls.
 
-    >>> m = _Measured(step_s=0.041, loop_s=0.008, copy_s=0.06, land_s=0.028, lost_s=0.001,
+    >>> m = TierMeasurements(step_s=0.041, loop_s=0.008, copy_s=0.06, land_s=0.028, lost_s=0.001,
     ...               persist_cpu_s=0.3, persist_s=0.115, probe=12, copies_timed=9, call_steps=1,
     ...               copy_gaps=(1, 1), write_gaps=(3, 3))
     >>> _choose(m, every=None, budget=0.05, host_is_device=False)
-    _Choice(copy_every=1, k=3, bound=1, bound_all=5)
+    TierChoice(copy_every=1, k=3, bound=1, bound_all=5)
     """
     step = m.step_s
     copy_cost, persist_cost = _charges(_parts(m), host_is_device)
@@ -288,7 +289,7 @@ def _choose(m: _Measured, *, every: int | None, budget: float, host_is_device: b
     per = m.call_steps
     bound = max([_calls_of(copy_every, per), *m.copy_gaps]) + lands - 1
     bound_all = max([_calls_of(k, per), *m.write_gaps]) + writes - 1
-    return _Choice(copy_every, k, bound, bound_all)
+    return TierChoice(copy_every, k, bound, bound_all)
 
 
 class _Cadence:
@@ -296,7 +297,7 @@ class _Cadence:
     docstring).
 
     A host copy costs, beside accelerators, what the steps lose to it, measured over the loop's
-    calls (:func:`_lost_per_copy`; its dispatch, measured in :meth:`StateTier.save`, until then);
+    calls (:func:`_lost_per_copy`; its dispatch, measured in :meth:`InMemoryTier.save`, until then);
     where the devices are the host's own cores (XLA:CPU), its dispatch, its launch on the devices
     (about the dispatch again) and the memory copy itself (estimated from the bytes and the copy
     speed the writer measures). A persist costs, on XLA:CPU, the writer thread's CPU time
@@ -304,8 +305,12 @@ class _Cadence:
     devices. The first persist (first-use setup) is not counted.
     """
 
-    def __init__(self, every: int | None, budget: float, host_is_device: bool, nbytes: int):
+    def __init__(self, every: int | None, budget: float, host_is_device: bool, nbytes: int,
+                 decide: Callable[..., TierChoice] | None = None):
         self.every, self.budget, self.host_is_device = every, budget, host_is_device
+        # The decision, a pure function of what is measured here: the policy's
+        # (MemoryTierPolicy.decide), or the same rule over ``every`` and ``budget``.
+        self._choice_of = decide or functools.partial(_choose, every=every, budget=budget)
         self.nbytes = nbytes
         self._steps: collections.deque = collections.deque(maxlen=64)  # seconds per step
         # (time, step) of the loop's calls: its pace once it waits on the devices (a bound on
@@ -400,7 +405,7 @@ class _Cadence:
         if step is None or step <= 0 or not self._persists or not self._loops:
             return
         wall = statistics.median(p[1] for p in self._persists)
-        m = _Measured(
+        m = TierMeasurements(
             step_s=step, loop_s=statistics.median(self._loops),
             # The writer reads and writes the bytes once and sums them: a copy moves them once.
             copy_s=self.nbytes / max(self.nbytes / max(wall, 1e-6) * 2, 1e9),
@@ -411,8 +416,7 @@ class _Cadence:
             copies_timed=len(self._loops), call_steps=self.call_steps(),
             copy_gaps=tuple(self._copy_gaps), write_gaps=tuple(self._write_gaps))
         self.parts = _parts(m)
-        choice = _choose(m, every=self.every, budget=self.budget,
-                         host_is_device=self.host_is_device)
+        choice = self._choice_of(m, host_is_device=self.host_is_device)
         self.copy_every, self.k, self.bound, self.bound_all = choice
 
     def _look(self) -> None:
@@ -445,3 +449,7 @@ class _Cadence:
             return None
         copy, persist = _charges(self.parts, self.host_is_device)
         return copy / self.copy_every + persist / self.k
+
+
+_Measured = TierMeasurements  # the names before 0.4.0's (private)
+_Choice = TierChoice

@@ -3,7 +3,7 @@
 Under ``jaxdist launch`` every process gets ``JAXDIST_STATE_DIR``, a host-local directory in
 shared memory (``/dev/shm`` where it exists) that outlives the processes but not the host.
 ``TieredCheckpointManager.save`` (``BackupAndRestore``'s, or a custom loop's) calls
-:meth:`StateTier.save` after each step; every few steps it takes a snapshot:
+:meth:`InMemoryTier.save` after each step; every few steps it takes a snapshot:
 
 * on the loop's thread, only an asynchronous copy of the state's arrays to host memory is
   *dispatched* (``jax.device_put`` to the ``pinned_host`` memory kind: on a GPU the copy engine
@@ -25,7 +25,7 @@ it first knows (``tier.json`` beside the slots, which ``jaxdist launch`` prints,
 
 Sharded state (``zero_stage`` 1-3, a user mesh) is covered: each process writes only the blocks
 its devices hold (a block every process holds, as a replicated array, is written once per host);
-:meth:`StateTier.resume` puts them together again, re-sharding when the job comes back with
+:meth:`InMemoryTier.resume` puts them together again, re-sharding when the job comes back with
 another layout (``jaxdist.checkpoint._assemble``). When the directory lacks room (two slots of this
 process's blocks), the tier switches itself off with one warning and the persistent backup is
 what a failure falls back to; it never stops training.
@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxdist import _compat
 from jaxdist.checkpoint import _assemble, _slots
 from jaxdist.checkpoint._assemble import RejoinRequired as RejoinRequired
 from jaxdist.checkpoint._assemble import StateMismatchError as StateMismatchError
@@ -66,7 +67,7 @@ from jaxdist.checkpoint._copies import (
 from jaxdist.checkpoint._overlap import _Overlap
 from jaxdist.checkpoint.tier_policy import ENV_BUDGET as ENV_BUDGET
 from jaxdist.checkpoint.tier_policy import ENV_EVERY as ENV_EVERY
-from jaxdist.checkpoint.tier_policy import MemoryTier as MemoryTier
+from jaxdist.checkpoint.tier_policy import MemoryTierPolicy as MemoryTierPolicy
 from jaxdist.core import PyTree
 from jaxdist.core.values import is_static_leaf, join_static, split_static
 from jaxdist.launch import DEFAULT_BUDGET as DEFAULT_BUDGET
@@ -97,7 +98,7 @@ _write_atomic = write_atomic  # the name tests and older code use
 
 
 class Snapshot(NamedTuple):
-    """A state read back from the memory tier by :meth:`StateTier.resume`.
+    """A state read back from the memory tier by :meth:`InMemoryTier.resume`.
 
     Attributes:
       step: the completed step the state belongs to.
@@ -134,7 +135,7 @@ class _Copy(NamedTuple):
         return [d for x in self.host if isinstance(x, _Blocks) for d in x.data]
 
 
-class StateTier:
+class InMemoryTier:
     """Keeps recent steps' state in host memory; restores it after a restart.
 
     Args:
@@ -145,11 +146,11 @@ class StateTier:
         measured).
       budget: the share of steps/s the tier may cost (default ``$JAXDIST_MEMORY_TIER_BUDGET``
         or 0.05).
-      policy: a :class:`~jaxdist.checkpoint.tier_policy.MemoryTier` setting ``every`` and
+      policy: a :class:`~jaxdist.checkpoint.MemoryTierPolicy` setting ``every`` and
         ``budget`` (and ``enabled=False``: the tier is off), instead of the environment.
 
     >>> import tempfile, jax.numpy as jnp
-    >>> tier = StateTier(tempfile.mkdtemp(), rank=0)
+    >>> tier = InMemoryTier(tempfile.mkdtemp(), rank=0)
     >>> tier.save(3, {"w": jnp.ones(2)}, {"epoch": 0, "position": 3})
     True
     >>> tier.flush()
@@ -161,18 +162,18 @@ class StateTier:
 
     def __init__(self, directory: str | None = None, *, rank: int | None = None,
                  every: int | None = None, budget: float | None = None,
-                 policy: MemoryTier | None = None):
+                 policy: MemoryTierPolicy | None = None):
         self.directory = directory if directory is not None else os.environ.get(ENV_STATE_DIR)
         if policy is not None:
-            if not isinstance(policy, MemoryTier):
-                raise TypeError(f"policy={policy!r}: expected a jaxdist.memstate.MemoryTier")
+            if not isinstance(policy, MemoryTierPolicy):
+                raise TypeError(f"policy={policy!r}: expected a jaxdist.memstate.MemoryTierPolicy")
             every = policy.every if every is None else every
             budget = policy.budget if budget is None else budget
             if not policy.enabled:
                 self.directory = None  # off: every method does nothing
         self._rank = rank
         if every is None or budget is None:  # what the code leaves open, the environment says
-            env = MemoryTier.from_env()
+            env = MemoryTierPolicy.from_env()
             every = env.every if every is None else every
             budget = env.budget if budget is None else budget
         if every is not None and not _positive_int(every):
@@ -388,8 +389,10 @@ class StateTier:
             except PinnedFull as e:
                 self._off(str(e))
                 return False
+        policy = MemoryTierPolicy(every=self._every, budget=self._budget)
         self._cadence = _Cadence(self._every, self._budget,
-                                 host_is_device=jax.default_backend() == "cpu", nbytes=need)
+                                 host_is_device=jax.default_backend() == "cpu", nbytes=need,
+                                 decide=policy.decide)
         for target, name in ((self._writer, "jaxdist-memstate"),
                              (self._watch_flush, "jaxdist-memstate-flush")):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -740,3 +743,6 @@ def _like(state: PyTree, target: PyTree) -> PyTree:
             return jax.device_put(x, t.sharding)
         return x
     return jax.tree.map(place, state, target)
+
+
+__getattr__ = _compat.renamed(__name__)  # the old names (RENAMED), deprecated

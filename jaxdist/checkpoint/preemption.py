@@ -4,7 +4,7 @@ Across processes, JAX's preemption sync manager (started by ``jax.distributed.in
 catches SIGTERM and picks a step that every process reaches; on one process a SIGTERM handler
 sets a flag that the next step boundary reads. ``TieredCheckpointManager.should_stop`` asks it
 after each step (``fit``'s ``BackupAndRestore`` through that manager); the elastic launcher's own
-agreed stop step is the in-memory tier's (``StateTier.stop_step``).
+agreed stop step is the in-memory tier's (``InMemoryTier.stop_step``).
 """
 
 from __future__ import annotations

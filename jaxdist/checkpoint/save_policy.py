@@ -1,6 +1,6 @@
 """When a checkpoint is saved: small policy values, in the style of Orbax's save-decision policies.
 
-The persistent tier's policy type (the in-memory tier's, :class:`~jaxdist.checkpoint.tier_policy.MemoryTier`,
+The persistent tier's policy type (the in-memory tier's, ``jaxdist.checkpoint.MemoryTierPolicy``,
 sits beside it): ``ModelCheckpoint`` and ``BackupAndRestore`` take one. Every name is also
 ``jaxdist.callbacks.X``, and ``jaxdist.callbacks.save_policy`` still imports them.
 

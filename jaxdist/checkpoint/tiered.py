@@ -1,14 +1,14 @@
 """One manager over both fault-tolerance tiers: the in-memory copy and the persistent backup.
 
 Under ``jaxdist launch`` a job keeps two copies of its state: recent steps in host memory
-(:class:`~jaxdist.checkpoint.memstate.StateTier`: cheap, every few steps, gone with the host) and
+(:class:`~jaxdist.checkpoint.InMemoryTier`: cheap, every few steps, gone with the host) and
 a persistent Orbax backup (:class:`~jaxdist.checkpoint.manager.CheckpointManager`: durable, as
 often as its save policy says). :class:`TieredCheckpointManager` holds both and makes every
 choice between them, so that ``fit`` (its ``BackupAndRestore`` callback asks this manager) and a
 custom loop (which calls it directly) get the same:
 
 * ``save`` after each step: each tier decides by its own policy (the memory tier's measured
-  cadence, :class:`~jaxdist.checkpoint.tier_policy.MemoryTier`; the backup's
+  cadence, :class:`~jaxdist.checkpoint.MemoryTierPolicy`; the backup's
   :class:`~jaxdist.checkpoint.save_policy.SavePolicy`, by default every N steps and at epoch ends);
 * ``restore_latest`` at the start: the newer of the memory copy and the backup, said in one log
   line with the reason;
@@ -39,10 +39,10 @@ import jax
 from jaxdist.checkpoint.backup import finish_saves, refuse_shared_folder, remove_backup
 from jaxdist.checkpoint.evaluator import mark_final
 from jaxdist.checkpoint.manager import CheckpointManager
-from jaxdist.checkpoint.memstate import StateTier
+from jaxdist.checkpoint.memstate import InMemoryTier
 from jaxdist.checkpoint.preemption import PreemptionNotice
 from jaxdist.checkpoint.save_policy import AnyOf, EveryNEpochs, EveryNSteps, SaveCandidate, SavePolicy
-from jaxdist.checkpoint.tier_policy import MemoryTier
+from jaxdist.checkpoint.tier_policy import MemoryTierPolicy
 from jaxdist.core import PyTree
 from jaxdist.launch import heartbeat
 
@@ -82,9 +82,9 @@ class TieredCheckpointManager:
         and stops only).
       policy: a :class:`~jaxdist.checkpoint.save_policy.SavePolicy` for the backup instead
         (``EveryNSteps``, ``AnyOf``, your own ``should_save(candidate, previous)``).
-      memory_tier: the memory tier's policy (``MemoryTier(every=, budget=, enabled=)``); None: as
+      memory_tier: the memory tier's policy (``MemoryTierPolicy(every=, budget=, enabled=)``); None: as
         the environment says (``JAXDIST_MEMORY_TIER``, ``..._EVERY``, ``..._BUDGET``).
-      memory: a :class:`~jaxdist.checkpoint.memstate.StateTier` of your own instead (default: this
+      memory: a :class:`~jaxdist.checkpoint.InMemoryTier` of your own instead (default: this
         host's state directory under ``jaxdist launch``; outside it the memory tier is off).
       max_to_keep: backups kept on disk.
       writer: the name each backup's metadata records as its writer; ``finish(delete=True)``
@@ -94,15 +94,15 @@ class TieredCheckpointManager:
       ValueError: ``every_n_steps`` below 1, both ``every_n_steps`` and ``policy``, both
         ``memory`` and ``memory_tier``, or ``directory`` is the working directory, the home
         directory or a folder that holds them (a backup needs a folder of its own).
-      TypeError: ``policy`` has no ``should_save``, or ``memory_tier`` is not a ``MemoryTier``.
+      TypeError: ``policy`` has no ``should_save``, or ``memory_tier`` is not a ``MemoryTierPolicy``.
 
     >>> import os, tempfile, jax.numpy as jnp
-    >>> from jaxdist.memstate import StateTier
+    >>> from jaxdist.memstate import InMemoryTier
     >>> folder = tempfile.TemporaryDirectory()
     >>> def manager():  # under `jaxdist launch`: TieredCheckpointManager(backup_dir, ...)
     ...     return TieredCheckpointManager(
     ...         os.path.join(folder.name, "backup"), every_n_steps=2,
-    ...         memory=StateTier(os.path.join(folder.name, "state"), rank=0, every=1))
+    ...         memory=InMemoryTier(os.path.join(folder.name, "state"), rank=0, every=1))
     >>> with manager() as ckpt:
     ...     state = {"w": jnp.zeros(2)}
     ...     for step in range(1, 4):
@@ -123,7 +123,7 @@ class TieredCheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *,
                  every_n_steps: int | None = None, policy: SavePolicy | None = None,
-                 memory_tier: MemoryTier | None = None, memory: StateTier | None = None,
+                 memory_tier: MemoryTierPolicy | None = None, memory: InMemoryTier | None = None,
                  max_to_keep: int | None = 2, writer: str = "TieredCheckpointManager"):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
@@ -135,17 +135,17 @@ class TieredCheckpointManager:
         if not isinstance(policy, SavePolicy):
             raise TypeError(f"policy={policy!r} has no should_save(candidate, previous)")
         if memory is not None and memory_tier is not None:
-            raise ValueError("pass either memory= (a StateTier) or memory_tier= (its policy), not both")
-        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
-            raise TypeError(f"memory_tier={memory_tier!r}: expected jaxdist.callbacks.MemoryTier("
+            raise ValueError("pass either memory= (a InMemoryTier) or memory_tier= (its policy), not both")
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTierPolicy):
+            raise TypeError(f"memory_tier={memory_tier!r}: expected jaxdist.checkpoint.MemoryTierPolicy("
                             "every=..., budget=..., enabled=...)")
         refuse_shared_folder(directory, type(self).__name__)
         self.backup = CheckpointManager(directory, max_to_keep=max_to_keep)
         self.policy: SavePolicy = policy
         self.writer = writer
         self.memory_tier = (None if memory is not None
-                            else memory_tier if memory_tier is not None else MemoryTier.from_env())
-        self.memory = memory if memory is not None else StateTier(policy=self.memory_tier)
+                            else memory_tier if memory_tier is not None else MemoryTierPolicy.from_env())
+        self.memory = memory if memory is not None else InMemoryTier(policy=self.memory_tier)
         # The tier's snapshots belong to this job, the one that backs up here: a kept state
         # directory of another training is refused rather than resumed from.
         where = os.fspath(directory)

@@ -178,7 +178,7 @@ def _accept_the_same_join(joined: ClusterSpec) -> None:
     def state_initialize_once(*args, **kwargs):
         _same_join(joined, state_signature.bind_partial(*args, **kwargs).arguments)
 
-    state.initialize = state_initialize_once
+    state.initialize = state_initialize_once  # type: ignore[method-assign]
 
 
 def _same_join(joined: ClusterSpec, given: dict) -> None:

@@ -46,7 +46,7 @@ def stop_path(directory: str) -> str:
 
 
 def write_stop(directory: str, step: int) -> None:
-    """Asks every process of this host to stop after ``step`` (read by ``StateTier.stop_step``)."""
+    """Asks every process of this host to stop after ``step`` (read by ``InMemoryTier.stop_step``)."""
     write_atomic(stop_path(directory), str(int(step)).encode())
 
 
