@@ -22,6 +22,16 @@ in constant time) or is refused. Whatever arrives is treated as hostile: a reque
 ``MAX_DEPTH`` levels, and a number that is not finite is refused however it is spelled (``NaN``,
 ``Infinity``, ``1e999``), as is an integer of 2**63 or more, in requests and in replies alike.
 
+A slow or idle connection costs the honest agents nothing. The store is served by ``grpc.aio`` on
+a thread of its own: a call whose message has not arrived holds no thread (gRPC's threaded server
+gave every call a pool thread from its headers on, so calls that never completed their message
+queued the honest ones behind them: 7 of 14 honest calls answered under 200 such connections).
+A call's message must arrive within ``MESSAGE_DEADLINE_S`` of its start or the call is cut; one
+peer host may have ``MAX_WAITING_PER_PEER`` calls waiting for their message, all hosts together
+``MAX_WAITING`` (each about 27 KB); one more is refused at once. A connection may carry
+``MAX_STREAMS`` calls at once, must finish HTTP/2's handshake within 5 s and is closed after a
+minute without calls (a client redials).
+
 Keys are namespaced by the rendezvous id (``<rdzv id>/<name>``), so jobs sharing an endpoint do not
 mix, and each job has a budget of its own: at most ``MAX_JOB_KEYS`` keys and ``MAX_JOB_BYTES`` bytes
 per rendezvous id, for at most ``MAX_JOBS`` ids at a time, one of them reserved for the serving
@@ -34,6 +44,7 @@ smaller) is never refused, even in a full store: the agents create the keys a jo
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -48,7 +59,6 @@ from typing import Any
 import grpc
 
 from jaxdist.launch.cluster import split_address
-from jaxdist.launch.receive import Cancelled, Full, ReceiveLimits, Receiver
 
 _SERVICE = "jaxdist.Rendezvous"
 _METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix")
@@ -240,18 +250,18 @@ class _Store:
 
 
 class StoreServer:
-    """A running store, as ``serve`` returns it.
+    """A running store, as ``serve`` returns it: a ``grpc.aio`` server on an event loop of its own
+    thread.
 
-    ``stop`` returns only once gRPC has finished every call it had taken, so that no call is
-    still being handed to the store's threads while the process exits. A stop that did not wait
-    let a flood of calls at the end of a job leave one of gRPC's pool threads waiting forever for
-    a message the stopped server would never deliver, and the agent alive after its job
-    (``RuntimeError: cannot schedule new futures after interpreter shutdown`` from gRPC's
-    serving thread, then the interpreter joining that pool thread for good).
+    ``stop`` returns only once gRPC has finished every call it had taken and the loop has ended,
+    so that nothing of the store still runs while the process exits (a stop that did not wait
+    once left the agent alive after its job, a thread waiting for a message that the stopped
+    server would never deliver).
     """
 
-    def __init__(self, server: grpc.Server):
-        self._server = server
+    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+        self._server, self._loop, self._thread = server, loop, thread
+        self._lock = threading.Lock()
 
     def stop(self, grace: float | None = 0, *, wait_s: float = 10.0) -> bool:
         """Stops serving: calls in progress get ``grace`` seconds (None: none), then are cancelled.
@@ -263,56 +273,78 @@ class StoreServer:
         Returns:
           True once the server has stopped (False if it had not within ``grace + wait_s``).
         """
-        return self._server.stop(grace).wait((grace or 0) + wait_s)
+        with self._lock:
+            if self._loop.is_closed() or not self._thread.is_alive():
+                return True
+            done = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            try:
+                done.result((grace or 0) + wait_s)
+            except (TimeoutError, futures.TimeoutError):
+                return False
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(wait_s)
+            return not self._thread.is_alive()
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
     server = ref()
     if server is not None:
-        # No grace: gRPC runs a grace period on a new thread, and from Python 3.12 no thread can
-        # start once the interpreter is shutting down (RuntimeError); without one, the calls are
-        # cancelled on this thread.
         server.stop(None)
 
 
-_THREADS = 32
 MAX_STREAMS = 8
 """Calls one connection may have open at once (an agent makes a few at a time)."""
-# An honest message (a few hundred bytes) is there when its call starts; these leave room for a
-# loaded host all the same (the parameter servers' defaults for lateness, a store's for time).
-_RECEIVE_LIMITS = ReceiveLimits(chunk_timeout_s=2.0, body_timeout_s=5.0, slow_after_s=0.5,
-                                max_slow_per_peer=8, max_receiving=_THREADS // 2)
+MESSAGE_DEADLINE_S = 2.0
+"""How long a call may take to deliver its message once it began; then it is cut (an honest
+message, a few hundred bytes, comes with the call's headers)."""
+MAX_WAITING_PER_PEER = 256
+"""Calls one peer host may have waiting for their message at once; one more is refused at once."""
+MAX_WAITING = 2048
+"""Calls all peers together may have waiting for their message at once."""
+_IDLE_CONNECTION_MS = 60_000  # a connection with no call this long is closed (the client redials)
+_HANDSHAKE_MS = 5_000  # a connection that has not completed HTTP/2's handshake by then is closed
 
 
-def _one_message(requests, receipt) -> bytes:
-    """A call's single message (an empty one, refused as such, if the caller sent none)."""
-    try:
-        for message in requests:
-            receipt.last = time.monotonic()
-            return message
-    except grpc.RpcError:
-        raise Cancelled() from None
-    return b""
+class _Waiting:
+    """Calls whose message has not arrived yet, per peer host: what a slow caller may hold.
+
+    The store is served by ``grpc.aio``: a call waiting for its message holds no thread, only
+    this count and a few kilobytes, so a flood of slow calls leaves the honest ones (whose
+    message comes with their headers) nothing to queue behind. The counts bound the memory."""
+
+    def __init__(self):
+        self.by_host: dict[str, int] = {}
+        self.total = 0
+        self.cut = 0  # calls cut for a message that did not come in time (for tests and status)
+
+    def enter(self, host: str) -> str | None:
+        """Counts one more waiting call of ``host``; the reason to refuse it, if any."""
+        if self.by_host.get(host, 0) >= MAX_WAITING_PER_PEER:
+            return (f"{host} has {MAX_WAITING_PER_PEER} calls waiting for their message "
+                    "(max_receiving per peer); retry later")
+        if self.total >= MAX_WAITING:
+            return f"{self.total} calls are waiting for their message (max_receiving); retry later"
+        self.by_host[host] = self.by_host.get(host, 0) + 1
+        self.total += 1
+        return None
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        left = self.by_host[host] - 1
+        if left:
+            self.by_host[host] = left
+        else:
+            del self.by_host[host]
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    """Refuses a call without the token from its metadata, before its message is read: an
-    unauthenticated caller gets no handler thread to hold."""
+def _peer_host(peer: str | None) -> str:
+    """``ipv4:10.0.0.1:5555`` -> ``ipv4:10.0.0.1`` (every connection of one host alike)."""
+    return (peer or "unknown").rsplit(":", 1)[0]
 
-    def __init__(self, token: str):
-        self._token = token.encode()
 
-    def intercept_service(self, continuation, handler_call_details):
-        sent = dict(handler_call_details.invocation_metadata or ()).get(
-            "x-jaxdist-rdzv-token", "")
-        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent),
-                               self._token):
-            return continuation(handler_call_details)
-
-        def deny(_requests, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing rendezvous token "
-                          f"(set {ENV_TOKEN} alike on every host)")
-        return grpc.stream_unary_rpc_method_handler(deny)
+def _token_ok(metadata, token: bytes) -> bool:
+    sent = dict(metadata or ()).get("x-jaxdist-rdzv-token", "")
+    return hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent), token)
 
 
 def serve(address: str, *, token: str | None = None,
@@ -339,53 +371,81 @@ def serve(address: str, *, token: str | None = None,
         return None
     store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
-    # Bodies are read as a stream under limits (jaxdist.launch.receive): a caller that holds its
-    # message back holds a handler thread for at most a second, and only a few per host, so a
-    # flood of such calls leaves threads free for honest ones, whose message comes at once.
-    receiver = Receiver(_RECEIVE_LIMITS, name="rdzv-receive-watch")
+    secret = token.encode() if token else None
+    waiting = _Waiting()
 
     def handler(method):
-        def call(requests, context) -> bytes:  # type: ignore[return]
-            # (context.abort raises: each branch without a return ends in one)
+        async def call(requests, context) -> bytes:
+            # The token is checked before the message is read: a caller without it holds nothing.
+            if secret is not None and not _token_ok(context.invocation_metadata(), secret):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing "
+                                    f"rendezvous token (set {ENV_TOKEN} alike on every host)")
+            host = _peer_host(context.peer())
+            refused = waiting.enter(host)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
             try:
-                request = receiver.read(requests, context, _one_message)
-            except Full as e:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except Cancelled:
-                return b""  # nobody reads the reply
+                request = await asyncio.wait_for(context.read(), MESSAGE_DEADLINE_S)
+            except asyncio.TimeoutError:
+                waiting.cut += 1
+                await context.abort(grpc.StatusCode.CANCELLED, f"the request's message did not "
+                                    f"arrive within {MESSAGE_DEADLINE_S:g} s of its call")
+            finally:
+                waiting.leave(host)
+            if not isinstance(request, bytes):  # grpc.aio.EOF: the caller sent no message
+                request = b""
             try:  # a reply is encoded as strictly as a request is read
                 return _dumps(store.handle(method, _decode(request)))
             except OverflowError as e:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RecursionError:  # JSON nested past the interpreter's limit
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is nested "
-                              "too deeply")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is "
+                                    "nested too deeply")
+            raise AssertionError("unreachable: context.abort raises")
         return grpc.stream_unary_rpc_method_handler(call)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS),
-                         handlers=[grpc.method_handlers_generic_handler(
-                             _SERVICE, {m: handler(m) for m in _METHODS})],
-                         interceptors=[_TokenCheck(token)] if token else [],
-                         options=[("grpc.so_reuseport", 0),
-                                  ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                                  ("grpc.max_concurrent_streams", MAX_STREAMS)])
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
+    async def start() -> tuple[Any, int]:
+        server = grpc.aio.server(
+            handlers=[grpc.method_handlers_generic_handler(
+                _SERVICE, {m: handler(m) for m in _METHODS})],
+            options=[("grpc.so_reuseport", 0),
+                     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                     ("grpc.max_concurrent_streams", MAX_STREAMS),
+                     ("grpc.max_connection_idle_ms", _IDLE_CONNECTION_MS),
+                     ("grpc.server_handshake_timeout_ms", _HANDSHAKE_MS)])
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port:
+            await server.start()
+        return server, port
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True, name="rdzv-store")
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    stoppable = StoreServer(server, loop, thread)
+    stoppable.waiting = waiting  # type: ignore[attr-defined]  # for tests
     if port == 0:
-        server.stop(0)
+        stoppable.stop(0)
         return None
-    server.start()
-    stoppable = StoreServer(server)
-    # A server its owner never stopped is stopped before the interpreter joins the executor's
-    # threads (the hooks run newest first, so before concurrent.futures' own): see StoreServer.
+    # A server its owner never stopped is stopped before the interpreter exits (the hooks run
+    # newest first): see StoreServer.
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         register(_stop_at_exit, weakref.ref(stoppable))
     return stoppable, port
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 def _in_use(address: str) -> bool:
