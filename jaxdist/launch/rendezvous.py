@@ -45,6 +45,7 @@ smaller) is never refused, even in a full store: the agents create the keys a jo
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import json
 import math
@@ -61,7 +62,9 @@ import grpc
 from jaxdist.launch.cluster import split_address
 
 _SERVICE = "jaxdist.Rendezvous"
-_METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix")
+_METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix", "batch")
+MAX_BATCH = 16
+"""Calls one ``batch`` may carry (an agent's poll is about eight)."""
 ENV_TOKEN = "JAXDIST_RDZV_TOKEN"
 MAX_REQUEST_BYTES = 64 * 1024
 """The largest request the store reads (a key and a small JSON value)."""
@@ -72,10 +75,11 @@ MAX_INT = 2 ** 63
 """Integers are refused from this magnitude on (agents store steps, ports and counts)."""
 MAX_JOBS = 4
 """Rendezvous ids the store holds keys of at a time (one is kept for the serving agent's job)."""
-MAX_JOB_KEYS = 2048
-"""Keys one rendezvous id may hold (an agent uses about five, with old rounds deleted)."""
-MAX_JOB_BYTES = 2 * 1024 * 1024
-"""Bytes of keys and values one rendezvous id may hold."""
+MAX_JOB_KEYS = 65536
+"""Keys one rendezvous id may hold (an agent uses at most about six, with old rounds deleted:
+room for 10,000 hosts)."""
+MAX_JOB_BYTES = 16 * 1024 * 1024
+"""Bytes of keys and values one rendezvous id may hold (about 1.2 KB per host)."""
 MAX_KEYS = MAX_JOBS * MAX_JOB_KEYS
 """Keys the store holds at most (every job at its budget)."""
 MAX_STORE_BYTES = MAX_JOBS * MAX_JOB_BYTES
@@ -151,10 +155,14 @@ def _decode(request: bytes) -> dict:
         raise ValueError("a rendezvous request is a JSON object")
     if _depth(req) > MAX_DEPTH:
         raise ValueError(f"a rendezvous message nests deeper than {MAX_DEPTH} levels")
+    _check_fields(req)
+    return req
+
+
+def _check_fields(req: dict) -> None:
     for field in ("key", "prefix"):
         if field in req and not (isinstance(req[field], str) and len(req[field]) <= MAX_KEY_CHARS):
             raise ValueError(f"{field} must be a string of at most {MAX_KEY_CHARS} characters")
-    return req
 
 
 def _job_of(key: str) -> str:
@@ -169,7 +177,9 @@ def _job_of(key: str) -> str:
 
 class _Store:
     def __init__(self, own_job: str | None = None):
-        self._data: dict[str, tuple[Any, float, int]] = {}  # key: (value, set at, its bytes)
+        # key: (value, set at, its bytes, its JSON); the keys also in order, for prefixes
+        self._data: dict[str, tuple[Any, float, int, bytes]] = {}
+        self._keys: list[str] = []
         self._jobs: dict[str, list[int]] = {}  # rendezvous id: [keys, bytes]
         self._own = own_job
         self._bytes = 0
@@ -197,21 +207,32 @@ class _Store:
             raise OverflowError(f"the store holds {self._bytes} bytes; this value would pass "
                                 f"{MAX_STORE_BYTES}")
 
+    def _under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, in order (a bisection: the cost is the keys found)."""
+        i = j = bisect.bisect_left(self._keys, prefix)
+        while j < len(self._keys) and self._keys[j].startswith(prefix):
+            j += 1
+        return self._keys[i:j]
+
     def _put(self, key: str, value: Any, now: float) -> None:
         job = _job_of(key)
-        size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
+        encoded = _dumps(value)  # once: a get then sends these bytes as they are
+        size = len(json.dumps(key)) + len(encoded) + 32  # as a list reply frames it
         old = self._data.get(key)
         grows = size - old[2] if old is not None else size
         if old is None or grows > 0:  # a write that takes no room is never refused
             self._check_room(job, old is None, grows)
-        self._data[key] = (value, now, size)
+        if old is None:
+            bisect.insort(self._keys, key)
+        self._data[key] = (value, now, size, encoded)
         usage = self._jobs.setdefault(job, [0, 0])
         usage[0] += old is None
         usage[1] += grows
         self._bytes += grows
 
     def _remove(self, key: str) -> None:
-        _, _, size = self._data.pop(key)
+        size = self._data.pop(key)[2]
+        del self._keys[bisect.bisect_left(self._keys, key)]
         job = _job_of(key)
         usage = self._jobs[job]
         usage[0] -= 1
@@ -221,31 +242,61 @@ class _Store:
             del self._jobs[job]  # its place among MAX_JOBS is free again
 
     def handle(self, method: str, req: dict) -> Any:
-        now = time.monotonic()
+        """The reply to one call, as a value."""
         with self._lock:
-            if method == "set":
+            return _loads(self._reply(method, req, time.monotonic()))
+
+    def reply(self, method: str, req: dict) -> bytes:
+        """The reply to one call, encoded (values are sent as they were encoded when set)."""
+        with self._lock:
+            return self._reply(method, req, time.monotonic())
+
+    def _reply(self, method: str, req: dict, now: float) -> bytes:
+        if method == "get":
+            item = self._data.get(req["key"])
+            return b"null" if item is None else item[3]
+        if method == "set_if_absent":
+            if req["key"] not in self._data:
                 self._put(req["key"], req["value"], now)
-                return True
-            if method == "set_if_absent":
-                if req["key"] not in self._data:
-                    self._put(req["key"], req["value"], now)
-                return self._data[req["key"]][0]
-            if method == "get":
-                item = self._data.get(req["key"])
-                return None if item is None else item[0]
-            if method == "list":  # {key: [value, seconds since it was set]}
-                return {k: [v, now - t] for k, (v, t, _) in self._data.items()
-                        if k.startswith(req["prefix"])}
-            if method == "delete":
-                if req["key"] in self._data:
-                    self._remove(req["key"])
-                return True
-            if method == "delete_prefix":  # one job's keys at most: the prefix names its id
-                _job_of(req["prefix"])
-                doomed = [k for k in self._data if k.startswith(req["prefix"])]
-                for key in doomed:
-                    self._remove(key)
-                return len(doomed)
+            return self._data[req["key"]][3]
+        if method == "list":  # {key: [value, seconds since it was set]}, the stale ones only if
+            older = req.get("older_than", -1.0)  # older_than is given
+            if isinstance(older, bool) or not isinstance(older, (int, float)):
+                raise TypeError("older_than must be a number of seconds")
+            parts = []
+            for k in self._under(req["prefix"]):
+                _, t, _, encoded = self._data[k]
+                if now - t > older:
+                    parts.append(b"%s:[%s,%r]" % (json.dumps(k).encode(), encoded, now - t))
+            return b"{" + b",".join(parts) + b"}"
+        if method == "batch":  # several calls under one lock, one reply each
+            ops = req.get("ops")
+            if not (isinstance(ops, list) and len(ops) <= MAX_BATCH):
+                raise ValueError(f"a batch is a list of at most {MAX_BATCH} [method, request]")
+            out = []
+            for op in ops:
+                if not (isinstance(op, list) and len(op) == 2 and op[0] in _METHODS
+                        and op[0] != "batch" and isinstance(op[1], dict)):
+                    raise ValueError("each call of a batch is [method, request] (no batch)")
+                _check_fields(op[1])
+                out.append(self._reply(op[0], op[1], now))
+            return b"[" + b",".join(out) + b"]"
+        return _dumps(self._act(method, req, now))
+
+    def _act(self, method: str, req: dict, now: float) -> Any:
+        if method == "set":
+            self._put(req["key"], req["value"], now)
+            return True
+        if method == "delete":
+            if req["key"] in self._data:
+                self._remove(req["key"])
+            return True
+        if method == "delete_prefix":  # one job's keys at most: the prefix names its id
+            _job_of(req["prefix"])
+            doomed = self._under(req["prefix"])
+            for key in doomed:
+                self._remove(key)
+            return len(doomed)
         raise ValueError(f"unknown method {method!r}")
 
 
@@ -259,9 +310,15 @@ class StoreServer:
     server would never deliver).
     """
 
-    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 store: _Store, address: str):
         self._server, self._loop, self._thread = server, loop, thread
+        self._store, self._address = store, address
         self._lock = threading.Lock()
+
+    def client(self, rdzv_id: str) -> LocalClient:
+        """A client of this store in this process (no network)."""
+        return LocalClient(self._store, self._address, rdzv_id)
 
     def stop(self, grace: float | None = 0, *, wait_s: float = 10.0) -> bool:
         """Stops serving: calls in progress get ``grace`` seconds (None: none), then are cancelled.
@@ -276,7 +333,7 @@ class StoreServer:
         with self._lock:
             if self._loop.is_closed() or not self._thread.is_alive():
                 return True
-            done = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            done = asyncio.run_coroutine_threadsafe(_shut(self._server, grace), self._loop)
             try:
                 done.result((grace or 0) + wait_s)
             except (TimeoutError, futures.TimeoutError):
@@ -284,6 +341,16 @@ class StoreServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(wait_s)
             return not self._thread.is_alive()
+
+
+async def _shut(server: Any, grace: float | None) -> None:
+    """Stops ``server``, then ends what its calls left on the loop (calls still waiting for
+    their message), so that none is destroyed pending (asyncio's and gRPC's error lines)."""
+    await server.stop(grace)
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
@@ -395,7 +462,7 @@ def serve(address: str, *, token: str | None = None,
             if not isinstance(request, bytes):  # grpc.aio.EOF: the caller sent no message
                 request = b""
             try:  # a reply is encoded as strictly as a request is read
-                return _dumps(store.handle(method, _decode(request)))
+                return store.reply(method, _decode(request))
             except OverflowError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
@@ -427,7 +494,7 @@ def serve(address: str, *, token: str | None = None,
     thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True, name="rdzv-store")
     thread.start()
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    stoppable = StoreServer(server, loop, thread)
+    stoppable = StoreServer(server, loop, thread, store, address)
     stoppable.waiting = waiting  # type: ignore[attr-defined]  # for tests
     if port == 0:
         stoppable.stop(0)
@@ -509,9 +576,12 @@ class RendezvousClient:
                 # A store busy refusing a flood of stalled calls, or one that cut this call as
                 # late (a loaded host): try again within the deadline (every method is
                 # idempotent).
+                # UNAVAILABLE mid-call: a stream the server refused (REFUSED_STREAM, before it
+                # knew the connection's limit on streams), never handled.
                 busy = (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                         and "max_receiving" in str(e.details()))
-                if (busy or e.code() == grpc.StatusCode.CANCELLED) and \
+                if (busy or e.code() in (grpc.StatusCode.CANCELLED,
+                                         grpc.StatusCode.UNAVAILABLE)) and \
                         time.monotonic() < end - 0.05:
                     time.sleep(0.05)
                     continue
@@ -539,11 +609,35 @@ class RendezvousClient:
         """The value of ``key``, or None."""
         return self._call("get", key=self._prefix + key)
 
-    def list(self, prefix: str) -> dict[str, tuple[Any, float]]:
-        """``{key without prefix: (value, age in seconds)}`` for the keys under ``prefix``."""
+    def list(self, prefix: str, *, older_than: float | None = None
+             ) -> dict[str, tuple[Any, float]]:
+        """``{key without prefix: (value, age in seconds)}`` for the keys under ``prefix`` (set
+        more than ``older_than`` seconds ago, if given)."""
+        extra = {} if older_than is None else {"older_than": older_than}
         full = self._prefix + prefix
         return {k[len(full):]: (v, age) for k, (v, age) in
-                self._call("list", prefix=full).items()}
+                self._call("list", prefix=full, **extra).items()}
+
+    def batch(self, *calls: tuple[str, dict]) -> list[Any]:
+        """Several calls as one (the store answers them at one instant): each ``(method,
+        request)`` with ``key``/``prefix`` as the other methods take them; their replies, in
+        order, as those methods return them. An agent's poll is one call, whatever it reads.
+
+        >>> server, port = serve("127.0.0.1:0")
+        >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
+        >>> client.batch(("set", {"key": "a/x", "value": 1}), ("get", {"key": "a/x"}),
+        ...              ("list", {"prefix": "a/"}))[:2]
+        [True, 1]
+        >>> server.stop(0)
+        True
+        """
+        if len(calls) > MAX_BATCH:
+            raise ValueError(f"{len(calls)} calls in one batch; at most {MAX_BATCH}")
+        ops = [[method, {f: self._prefix + v if f in ("key", "prefix") else v
+                         for f, v in req.items()}] for method, req in calls]
+        replies = self._call("batch", ops=ops)
+        return [{k[len(self._prefix + req["prefix"]):]: (v, age) for k, (v, age) in r.items()}
+                if method == "list" else r for (method, req), r in zip(calls, replies)]
 
     def delete(self, key: str) -> None:
         """Removes ``key`` if present."""
@@ -567,6 +661,25 @@ class RendezvousClient:
     def close(self) -> None:
         """Closes the channel."""
         self._channel.close()
+
+
+class LocalClient(RendezvousClient):
+    """A client of a store served by this process (``StoreServer.client``): the same methods,
+    no network; the serving agent's round closer reads the whole job's keys with it ten times a
+    second at no cost to the other agents' calls."""
+
+    def __init__(self, store: _Store, address: str, rdzv_id: str):
+        self.address, self._store, self._prefix = address, store, f"{rdzv_id}/"
+
+    def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
+        try:
+            return self._store.handle(method, _decode(_dumps(req)))
+        except (OverflowError, ValueError, KeyError, TypeError) as e:
+            raise RendezvousError(f"rendezvous store (this process's): {method} failed: "
+                                  f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        pass
 
 
 # -- what holds the port ----------------------------------------------------------------------
