@@ -53,11 +53,10 @@ HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
 _SETTLE_S = 0.5           # close a round this long after the last registration, all present
 _DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
-# The store answers a call in about 0.4 ms of its CPU: each agent asks it once per poll (one
-# batch, its heartbeat included), and a larger job polls less often, so that the store's load
-# stays about constant. At 1,024 hosts: a poll each second (0.5 s while a round forms).
-_POLLS_PER_S = 1000       # what all agents of a running job send the store per second, at most
-_JOIN_POLLS_PER_S = 2000  # the same while a round forms (a few seconds)
+# The store answers a call in about 0.5 ms of its CPU: each agent asks it once per poll (one
+# batch, its heartbeat in it), and a larger job polls less often, so that the store's load stays
+# about constant: at 1,024 hosts a poll and heartbeat each second (the host timeout's third).
+_POLLS_PER_S = 1000       # what all agents of a job send the store per second, at most
 
 
 def _local_address(host: str, port: int) -> str:
@@ -166,6 +165,10 @@ class Agent:
     def _beat_s(self) -> float:
         """Seconds between heartbeats: as the polls, and at least three per host timeout."""
         return min(self._poll_s(least=_BEAT_S), self.host_timeout_s / 3)
+
+    def _watch_poll_s(self) -> float:
+        """Seconds between a running round's polls: each one is a heartbeat too."""
+        return min(self._poll_s(), self.host_timeout_s / 3)
 
     def _beat_call(self) -> list[tuple[str, dict]]:
         """This agent's heartbeat as a call of a poll's batch (none while it is quiet)."""
@@ -391,7 +394,7 @@ class Agent:
                 "addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
                 "order": order, "identity": self.identity})
             while time.monotonic() < deadline:
-                time.sleep(self._poll_s(_JOIN_POLLS_PER_S, 0.05))
+                time.sleep(self._poll_s(least=0.05))
                 if self.l.stop_signal is not None:
                     return None  # SIGTERM while waiting for a round: leave now, not at the deadline
                 opened, refused, done, quorum, alive_n, *_ = self.store.batch(
@@ -506,7 +509,7 @@ class Agent:
                             ranks_at_fault=[h.rank for h in hung])
             if time.monotonic() < next_poll:
                 continue
-            next_poll = time.monotonic() + self._poll_s()
+            next_poll = time.monotonic() + self._watch_poll_s()
             try:
                 calls = [("get", {"key": f"r{n}/failed"}), ("list", {"prefix": "leaving/"}),
                          ("list", {"prefix": "rejected/"}),

@@ -368,7 +368,6 @@ MAX_WAITING_PER_PEER = 256
 """Calls one peer host may have waiting for their message at once; one more is refused at once."""
 MAX_WAITING = 2048
 """Calls all peers together may have waiting for their message at once."""
-_IDLE_CONNECTION_MS = 60_000  # a connection with no call this long is closed (the client redials)
 _HANDSHAKE_MS = 5_000  # a connection that has not completed HTTP/2's handshake by then is closed
 
 
@@ -480,7 +479,6 @@ def serve(address: str, *, token: str | None = None,
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                      ("grpc.max_concurrent_streams", MAX_STREAMS),
-                     ("grpc.max_connection_idle_ms", _IDLE_CONNECTION_MS),
                      ("grpc.server_handshake_timeout_ms", _HANDSHAKE_MS)])
         try:
             port = server.add_insecure_port(address)
