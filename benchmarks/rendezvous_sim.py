@@ -256,7 +256,8 @@ class Simulation:
                     f"round {n}: {self._started.get(n, 0)} of {hosts} hosts started within "
                     f"{timeout_s:g} s (registered: {len(self.client.list(f'r{n}/member/'))}, "
                     f"alive: {self.client.get('alive_n')}, open: {self.client.get('open')}; "
-                    f"ended: {sorted(set(map(str, self.codes.values())))[:5]})")
+                    f"ended: {sorted(set(map(str, self.codes.values())))[:5]}; store "
+                    f"{self.store_usage()}, this process's CPU {sum(os.times()[:2]):.1f} s)")
         return time.monotonic()
 
     def round_members(self, n: int) -> int:
@@ -323,6 +324,7 @@ def run(hosts: int, *, step_s: float = 0.25, store: str = "process", steady_s: f
         u0 = sim.store_usage()
         out["rss_mb_empty"] = u0["rss_mb"]
         calls0, t0 = sim.calls, time.monotonic()
+        out["cpu_s_start"] = sum(os.times()[:2])
         for agent in sim.agents:
             sim.start(agent)
         out["form_s"] = sim.wait_round(0, hosts, 120) - t0
@@ -414,7 +416,7 @@ class _SlowHost:
                     pass
                 except OSError:
                     continue
-            self.stop.wait(rendezvous.MESSAGE_DEADLINE_S / 2)
+            self.stop.wait(1.0)
 
     def close(self) -> None:
         self.stop.set()
@@ -495,11 +497,13 @@ def main(argv=None) -> None:
     parser.add_argument("--verbose", action="store_true", help="print the agents' lines")
     parser.add_argument("--slow", type=int, default=0, metavar="N",
                         help="instead: honest call latency under N slow connections vs none")
+    parser.add_argument("--calls", type=int, default=200, help="with --slow: calls per round")
+    parser.add_argument("--rounds", type=int, default=3, help="with --slow: rounds of each")
     args = parser.parse_args(argv)
     with open("/proc/loadavg") as f:
         print(f"load average at the start: {' '.join(f.read().split()[:3])}")
     if args.slow:
-        print(json.dumps(slow_connections(args.slow)))
+        print(json.dumps(slow_connections(args.slow, args.calls, args.rounds)))
         with open("/proc/loadavg") as f:
             print(f"load average at the end: {' '.join(f.read().split()[:3])}")
         return

@@ -29,8 +29,12 @@ queued the honest ones behind them: 7 of 14 honest calls answered under 200 such
 A call's message must arrive within ``MESSAGE_DEADLINE_S`` of its start or the call is cut; one
 peer host may have ``MAX_WAITING_PER_PEER`` calls waiting for their message, all hosts together
 ``MAX_WAITING`` (each about 27 KB); one more is refused at once. A connection may carry
-``MAX_STREAMS`` calls at once, must finish HTTP/2's handshake within 5 s and is closed after a
-minute without calls (a client redials).
+``MAX_STREAMS`` calls at once and must finish HTTP/2's handshake within 5 s.
+
+At scale, an agent's poll is one ``batch`` (up to ``MAX_BATCH`` calls answered at one instant);
+a ``list`` costs the keys under its prefix (the keys are kept in order), and a ``get`` sends the
+value's JSON as it was encoded when set. The serving agent reads the store without the network
+(``StoreServer.client``).
 
 Keys are namespaced by the rendezvous id (``<rdzv id>/<name>``), so jobs sharing an endpoint do not
 mix, and each job has a budget of its own: at most ``MAX_JOB_KEYS`` keys and ``MAX_JOB_BYTES`` bytes
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import builtins
 import hmac
 import json
 import math
@@ -616,7 +621,7 @@ class RendezvousClient:
         return {k[len(full):]: (v, age) for k, (v, age) in
                 self._call("list", prefix=full, **extra).items()}
 
-    def batch(self, *calls: tuple[str, dict]) -> list[Any]:
+    def batch(self, *calls: tuple[str, dict]) -> builtins.list[Any]:
         """Several calls as one (the store answers them at one instant): each ``(method,
         request)`` with ``key``/``prefix`` as the other methods take them; their replies, in
         order, as those methods return them. An agent's poll is one call, whatever it reads.
