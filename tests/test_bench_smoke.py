@@ -1,4 +1,5 @@
-"""``benchmarks/overhead.py`` and ``benchmarks/cnn_pool.py``: their plumbing, no figure.
+"""``benchmarks/overhead.py``, ``benchmarks/cnn_pool.py`` and ``benchmarks/rendezvous_sim.py``: their
+plumbing, no figure.
 
 Both benchmarks also check that what they time computes the same thing (every loop of overhead.py
 ends with the hand-written loop's parameters; the two poolings of cnn_pool.py train alike), so a
@@ -54,3 +55,16 @@ def test_cnn_pool_bench_compares_both_poolings_per_device_count():
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
     for r in rows:
         float(r.split("|")[4].split()[0])  # a speed-up, not a failure
+
+
+def test_rendezvous_sim_forms_a_round_and_re_forms_it_after_a_loss():
+    # in this process: 8 real agents in threads, the store in a thread (no figure, the plumbing)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "rendezvous_sim", os.path.join(REPO, "benchmarks", "rendezvous_sim.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    out = sim.run(8, store="thread", steady_s=0.3, host_timeout_s=1.2, join=False)
+    assert out["round_sizes"] == [8, 7], out
+    assert out["keys"] > 8 and out["steady_calls_per_host_s"] > 0, out

@@ -53,6 +53,10 @@ HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
 _SETTLE_S = 0.5           # close a round this long after the last registration, all present
 _DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
+# The store answers a call in about 0.5 ms of its CPU: each agent asks it once per poll (one
+# batch, its heartbeat in it), and a larger job polls less often, so that the store's load stays
+# about constant: at 1,024 hosts a poll and heartbeat each second (the host timeout's third).
+_POLLS_PER_S = 1000       # what all agents of a job send the store per second, at most
 
 
 def _local_address(host: str, port: int) -> str:
@@ -140,24 +144,47 @@ class Agent:
         self._last_order: int | None = None
         self._said_quorum: int | None = None
         self._cleaned = 0  # rounds below this one have had their keys removed
+        self._hosts = 1  # how many hosts the job has, as last seen (sets the polling rates)
+        self._beaten = 0.0  # when this agent's heartbeat last reached the store
+        self._said_lost: list = []  # the round closer's last list of lost hosts
         self.identity = _identity(launcher)
 
     def say(self, message: str) -> None:
         self.l.say(f"[agent {self.id}] {message}")
 
-    def _alive_agents(self) -> dict[str, str]:
+    def _alive_agents(self, store: RendezvousClient | None = None) -> dict[str, str]:
         """``{agent id: its host's name}`` of the agents not yet lost."""
-        return {k: host for k, (host, age) in self.store.list("alive/").items()
+        return {k: host for k, (host, age) in (store or self.store).list("alive/").items()
                 if age < self.host_timeout_s}
+
+    def _poll_s(self, per_s: int = _POLLS_PER_S, least: float = 0.1) -> float:
+        """Seconds between this agent's polls of the store: ``least``, or more in a job so large
+        that all agents together would send more than ``per_s`` polls a second."""
+        return max(least, self._hosts / per_s)
+
+    def _beat_s(self) -> float:
+        """Seconds between heartbeats: as the polls, and at least three per host timeout."""
+        return min(self._poll_s(least=_BEAT_S), self.host_timeout_s / 3)
+
+    def _watch_poll_s(self) -> float:
+        """Seconds between a running round's polls: each one is a heartbeat too."""
+        return min(self._poll_s(), self.host_timeout_s / 3)
+
+    def _beat_call(self) -> list[tuple[str, dict]]:
+        """This agent's heartbeat as a call of a poll's batch (none while it is quiet)."""
+        return [] if self._quiet else [
+            ("set", {"key": f"alive/{self.id}", "value": self.hostname})]
 
     # -- threads -------------------------------------------------------------------------------
 
     def _beat(self) -> None:
+        """Beats when no poll of the main loop has (a round starting its processes)."""
         while not self._stopped.wait(_BEAT_S):
-            if self._quiet:
+            if self._quiet or time.monotonic() - self._beaten < self._beat_s():
                 continue
             try:
                 self.store.set(f"alive/{self.id}", self.hostname)
+                self._beaten = time.monotonic()
             except RendezvousError:
                 pass  # the monitor notices a store that stays silent
 
@@ -170,15 +197,18 @@ class Agent:
             raise
 
     def _close_rounds_loop(self) -> None:
+        # On the store's own host: its reads cost no call (and nothing of the others' time).
+        store = self.server[0].client(self.rdzv_id) if self.server is not None else self.store
         while not self._stopped.wait(0.1):
             try:
-                n = self.store.get("open")
-                regs = self.store.list(f"r{n}/member/")
-                alive = set(self._alive_agents())
-                leaving = set(self.store.list("leaving/"))
-                rejected = set(self.store.list("rejected/"))
-                prev = self.store.get(f"r{n - 1}/final") if n > 0 else None
-                moved = self.store.get("moved") == n
+                n = store.get("open")
+                regs = store.list(f"r{n}/member/")
+                alive = set(self._alive_agents(store))
+                leaving = set(store.list("leaving/"))
+                rejected = set(store.list("rejected/"))
+                prev = store.get(f"r{n - 1}/final") if n > 0 else None
+                moved = store.get("moved") == n
+                self._census(store, n - 1, prev, alive, leaving | rejected)
             except RendezvousError:
                 continue
             ready = {k: v for k, (v, _) in regs.items()
@@ -194,12 +224,25 @@ class Agent:
             if len(ready) >= self.max or (newest > _SETTLE_S and not missing
                                           and (n > 0 or oldest > self.last_call_s)):
                 order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
-                self.store.set(f"r{n}/final", [[k, ready[k]] for k in order])
-                self.store.set("open", n + 1)
+                store.set(f"r{n}/final", [[k, ready[k]] for k in order])
+                store.set("open", n + 1)
                 # Rounds before the last are over: their keys go (a long job keeps a few).
                 for old in range(self._cleaned, n - 1):
-                    self.store.delete_prefix(f"r{old}/")
+                    store.delete_prefix(f"r{old}/")
                 self._cleaned = max(self._cleaned, n - 1)
+
+    def _census(self, store: RendezvousClient, m: int, members: list | None, alive: set,
+                gone: set) -> None:
+        """Publishes how many agents are alive (``alive_n``, for agents waiting for a round) and
+        the hosts of the running round ``m`` that are lost (``r{m}/lost``): the store's host
+        reads every heartbeat, so the other agents need not (each would read them all at each
+        poll: a cost growing as the square of the hosts)."""
+        if store.get("alive_n") != len(alive):
+            store.set("alive_n", len(alive))
+        lost = sorted(k for k, _ in members or () if k not in alive and k not in gone)
+        if lost and lost != self._said_lost:
+            store.set(f"r{m}/lost", lost)
+        self._said_lost = lost
 
     def _refuse_mismatched(self, ready: dict, prev: list | None) -> dict:
         """Leaves out (and marks refused) the agents whose jaxdist or JAX version or devices per
@@ -350,18 +393,26 @@ class Agent:
             self.store.set(f"r{n}/member/{self.id}", {
                 "addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
                 "order": order, "identity": self.identity})
-            while time.monotonic() < deadline and self.store.get("open") == n:
-                time.sleep(0.05)
+            while time.monotonic() < deadline:
+                time.sleep(self._poll_s(least=0.05))
                 if self.l.stop_signal is not None:
                     return None  # SIGTERM while waiting for a round: leave now, not at the deadline
-                refused = self.store.get(f"rejected/{self.id}")
+                opened, refused, done, quorum, alive_n, *_ = self.store.batch(
+                    ("get", {"key": "open"}), ("get", {"key": f"rejected/{self.id}"}),
+                    ("get", {"key": "done"}), ("get", {"key": "quorum"}),
+                    ("get", {"key": "alive_n"}), *self._beat_call())
+                self._beaten = time.monotonic()
+                if opened != n:
+                    break
                 if refused:
                     raise Refused(refused)
-                if self.store.get("done"):
+                if done:
                     return None  # the job ended while this agent waited: nothing to join
-                quorum = self.store.get("quorum")
+                if alive_n is None:  # (published by the round closer once it runs)
+                    alive_n = len(self._alive_agents())
+                self._hosts = max(alive_n, 1)
                 waiting = quorum is not None and quorum.get("round") == n
-                if len(self._alive_agents()) >= self.min and not waiting:
+                if alive_n >= self.min and not waiting:
                     deadline = time.monotonic() + self.rdzv_timeout_s  # a round runs or forms
             final = self.store.get(f"r{n}/final")
             if final and any(k == self.id for k, _ in final):
@@ -370,6 +421,7 @@ class Agent:
 
     def _run_round(self, n: int, members: list) -> tuple[str, int]:
         self._round, self._members = n, members
+        self._hosts = len(members)
         self._server_id = self.store.get("server")
         index = [k for k, _ in members].index(self.id)
         self._last_order = index
@@ -409,6 +461,7 @@ class Agent:
         store_ok = time.monotonic()
         silent_said = False
         published = 0.0
+        next_poll = 0.0
 
         def fail(reason: str, code: int = 1, ranks_at_fault=()) -> tuple[str, int]:
             self.say(f"round {n} failed: {reason}; last completed step per local rank "
@@ -454,18 +507,25 @@ class Agent:
                 self.l.dump_stacks({r: p.pid for r, p in local.items() if p.poll() is None})
                 return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung",
                             ranks_at_fault=[h.rank for h in hung])
+            if time.monotonic() < next_poll:
+                continue
+            next_poll = time.monotonic() + self._watch_poll_s()
             try:
-                failed = self.store.get(f"r{n}/failed")
-                alive = {k: age for k, (_, age) in self.store.list("alive/").items()}
-                leaving = set(self.store.list("leaving/")) | set(self.store.list("rejected/"))
-                joiners = [k for k in self.store.list(f"r{n + 1}/member/") if k not in ids]
-                stop = self.store.get(f"r{n}/drain")
-                done = self.store.get("done")
+                calls = [("get", {"key": f"r{n}/failed"}), ("list", {"prefix": "leaving/"}),
+                         ("list", {"prefix": "rejected/"}),
+                         ("list", {"prefix": f"r{n + 1}/member/"}),
+                         ("get", {"key": f"r{n}/drain"}), ("get", {"key": "done"}),
+                         ("get", {"key": f"r{n}/lost"}), *self._beat_call()]
                 if time.monotonic() - published > 1.0:  # for naming the rank a hang waits for
                     published = time.monotonic()
-                    self.store.set(f"r{n}/progress/{self.id}", {
+                    calls.append(("set", {"key": f"r{n}/progress/{self.id}", "value": {
                         str(r): (b.dispatched if b is not None else None)
-                        for r, b in detector.progress().items()})
+                        for r, b in detector.progress().items()}}))
+                failed, leaving_now, rejected, registered, stop, done, silent, *_ = \
+                    self.store.batch(*calls)
+                self._beaten = time.monotonic()
+                leaving = set(leaving_now) | set(rejected)
+                joiners = [k for k in registered if k not in ids]
                 store_ok, silent_said = time.monotonic(), False
             except RendezvousError:
                 if time.monotonic() - store_ok > self.host_timeout_s and not silent_said:
@@ -485,8 +545,8 @@ class Agent:
                 self.l.flush_survivors(local)
                 self.l.record_failure(failed, detector.last_steps())
                 return "failed", 1
-            lost = [k for k in ids if k != self.id and k not in leaving
-                    and alive.get(k, math.inf) > self.host_timeout_s]
+            # the store's host reads the heartbeats (Agent._census) and names the lost hosts
+            lost = [k for k in silent or () if k in ids and k != self.id and k not in leaving]
             if lost:
                 return fail(f"host(s) {lost} lost (agent silent for more than "
                             f"{self.host_timeout_s:g} s)")
@@ -585,12 +645,13 @@ class Agent:
                     self.say(f"cannot serve the rendezvous store on {address} (port taken)")
                     return False
                 self._use_store(address)
-                self.store.set("server", self.id)
+                local = self.server[0].client(self.rdzv_id)  # (a large round's list is big)
+                local.set("server", self.id)
                 # The next round needs a majority of the last one (see _quorum).
-                self.store.set(f"r{self._round}/final", self._members)
-                self.store.set("moved", self._round + 1)
-                self.store.set("open", self._round + 1)
-                self.store.set_if_absent("done", 0)
+                local.set(f"r{self._round}/final", self._members)
+                local.set("moved", self._round + 1)
+                local.set("open", self._round + 1)
+                local.set_if_absent("done", 0)
                 threading.Thread(target=self._close_rounds, daemon=True).start()
                 self.say(f"the rendezvous store on {old} is lost ({error}); this agent serves "
                          f"it now on {address} (new agents: --rdzv-endpoint {address})")

@@ -6,8 +6,9 @@ requests as a stream through a :class:`Receiver` bounds that: how long a body ma
 chunks and take in all, how many bodies one peer host may have arriving slowly at once, and how
 many calls may be receiving at once (so that some handler threads are always free for honest
 callers, whose bodies arrive with their headers). The parameter servers' transport
-(:mod:`jaxdist.ps.transport`) and the elastic agents' rendezvous store
-(:mod:`jaxdist.launch.rendezvous`) share it.
+(:mod:`jaxdist.ps.transport`) uses it; the elastic agents' rendezvous store
+(:mod:`jaxdist.launch.rendezvous`) is served by ``grpc.aio`` instead, where a call waiting for its
+body holds no thread at all.
 """
 
 from __future__ import annotations

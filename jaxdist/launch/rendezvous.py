@@ -22,6 +22,20 @@ in constant time) or is refused. Whatever arrives is treated as hostile: a reque
 ``MAX_DEPTH`` levels, and a number that is not finite is refused however it is spelled (``NaN``,
 ``Infinity``, ``1e999``), as is an integer of 2**63 or more, in requests and in replies alike.
 
+A slow or idle connection costs the honest agents nothing. The store is served by ``grpc.aio`` on
+a thread of its own: a call whose message has not arrived holds no thread (gRPC's threaded server
+gave every call a pool thread from its headers on, so calls that never completed their message
+queued the honest ones behind them: 7 of 14 honest calls answered under 200 such connections).
+A call's message must arrive within ``MESSAGE_DEADLINE_S`` of its start or the call is cut; one
+peer host may have ``MAX_WAITING_PER_PEER`` calls waiting for their message, all hosts together
+``MAX_WAITING`` (each about 27 KB); one more is refused at once. A connection may carry
+``MAX_STREAMS`` calls at once and must finish HTTP/2's handshake within 5 s.
+
+At scale, an agent's poll is one ``batch`` (up to ``MAX_BATCH`` calls answered at one instant);
+a ``list`` costs the keys under its prefix (the keys are kept in order), and a ``get`` sends the
+value's JSON as it was encoded when set. The serving agent reads the store without the network
+(``StoreServer.client``).
+
 Keys are namespaced by the rendezvous id (``<rdzv id>/<name>``), so jobs sharing an endpoint do not
 mix, and each job has a budget of its own: at most ``MAX_JOB_KEYS`` keys and ``MAX_JOB_BYTES`` bytes
 per rendezvous id, for at most ``MAX_JOBS`` ids at a time, one of them reserved for the serving
@@ -34,6 +48,9 @@ smaller) is never refused, even in a full store: the agents create the keys a jo
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import builtins
 import hmac
 import json
 import math
@@ -48,10 +65,11 @@ from typing import Any
 import grpc
 
 from jaxdist.launch.cluster import split_address
-from jaxdist.launch.receive import Cancelled, Full, ReceiveLimits, Receiver
 
 _SERVICE = "jaxdist.Rendezvous"
-_METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix")
+_METHODS = ("set", "set_if_absent", "get", "list", "delete", "delete_prefix", "batch")
+MAX_BATCH = 16
+"""Calls one ``batch`` may carry (an agent's poll is about eight)."""
 ENV_TOKEN = "JAXDIST_RDZV_TOKEN"
 MAX_REQUEST_BYTES = 64 * 1024
 """The largest request the store reads (a key and a small JSON value)."""
@@ -62,10 +80,11 @@ MAX_INT = 2 ** 63
 """Integers are refused from this magnitude on (agents store steps, ports and counts)."""
 MAX_JOBS = 4
 """Rendezvous ids the store holds keys of at a time (one is kept for the serving agent's job)."""
-MAX_JOB_KEYS = 2048
-"""Keys one rendezvous id may hold (an agent uses about five, with old rounds deleted)."""
-MAX_JOB_BYTES = 2 * 1024 * 1024
-"""Bytes of keys and values one rendezvous id may hold."""
+MAX_JOB_KEYS = 65536
+"""Keys one rendezvous id may hold (an agent uses at most about six, with old rounds deleted:
+room for 10,000 hosts)."""
+MAX_JOB_BYTES = 16 * 1024 * 1024
+"""Bytes of keys and values one rendezvous id may hold (about 1.2 KB per host)."""
 MAX_KEYS = MAX_JOBS * MAX_JOB_KEYS
 """Keys the store holds at most (every job at its budget)."""
 MAX_STORE_BYTES = MAX_JOBS * MAX_JOB_BYTES
@@ -141,10 +160,14 @@ def _decode(request: bytes) -> dict:
         raise ValueError("a rendezvous request is a JSON object")
     if _depth(req) > MAX_DEPTH:
         raise ValueError(f"a rendezvous message nests deeper than {MAX_DEPTH} levels")
+    _check_fields(req)
+    return req
+
+
+def _check_fields(req: dict) -> None:
     for field in ("key", "prefix"):
         if field in req and not (isinstance(req[field], str) and len(req[field]) <= MAX_KEY_CHARS):
             raise ValueError(f"{field} must be a string of at most {MAX_KEY_CHARS} characters")
-    return req
 
 
 def _job_of(key: str) -> str:
@@ -159,7 +182,9 @@ def _job_of(key: str) -> str:
 
 class _Store:
     def __init__(self, own_job: str | None = None):
-        self._data: dict[str, tuple[Any, float, int]] = {}  # key: (value, set at, its bytes)
+        # key: (value, set at, its bytes, its JSON); the keys also in order, for prefixes
+        self._data: dict[str, tuple[Any, float, int, bytes]] = {}
+        self._keys: list[str] = []
         self._jobs: dict[str, list[int]] = {}  # rendezvous id: [keys, bytes]
         self._own = own_job
         self._bytes = 0
@@ -187,21 +212,32 @@ class _Store:
             raise OverflowError(f"the store holds {self._bytes} bytes; this value would pass "
                                 f"{MAX_STORE_BYTES}")
 
+    def _under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, in order (a bisection: the cost is the keys found)."""
+        i = j = bisect.bisect_left(self._keys, prefix)
+        while j < len(self._keys) and self._keys[j].startswith(prefix):
+            j += 1
+        return self._keys[i:j]
+
     def _put(self, key: str, value: Any, now: float) -> None:
         job = _job_of(key)
-        size = len(json.dumps(key)) + len(json.dumps(value)) + 32  # as a list reply frames it
+        encoded = _dumps(value)  # once: a get then sends these bytes as they are
+        size = len(json.dumps(key)) + len(encoded) + 32  # as a list reply frames it
         old = self._data.get(key)
         grows = size - old[2] if old is not None else size
         if old is None or grows > 0:  # a write that takes no room is never refused
             self._check_room(job, old is None, grows)
-        self._data[key] = (value, now, size)
+        if old is None:
+            bisect.insort(self._keys, key)
+        self._data[key] = (value, now, size, encoded)
         usage = self._jobs.setdefault(job, [0, 0])
         usage[0] += old is None
         usage[1] += grows
         self._bytes += grows
 
     def _remove(self, key: str) -> None:
-        _, _, size = self._data.pop(key)
+        size = self._data.pop(key)[2]
+        del self._keys[bisect.bisect_left(self._keys, key)]
         job = _job_of(key)
         usage = self._jobs[job]
         usage[0] -= 1
@@ -211,47 +247,83 @@ class _Store:
             del self._jobs[job]  # its place among MAX_JOBS is free again
 
     def handle(self, method: str, req: dict) -> Any:
-        now = time.monotonic()
+        """The reply to one call, as a value."""
         with self._lock:
-            if method == "set":
+            return _loads(self._reply(method, req, time.monotonic()))
+
+    def reply(self, method: str, req: dict) -> bytes:
+        """The reply to one call, encoded (values are sent as they were encoded when set)."""
+        with self._lock:
+            return self._reply(method, req, time.monotonic())
+
+    def _reply(self, method: str, req: dict, now: float) -> bytes:
+        if method == "get":
+            item = self._data.get(req["key"])
+            return b"null" if item is None else item[3]
+        if method == "set_if_absent":
+            if req["key"] not in self._data:
                 self._put(req["key"], req["value"], now)
-                return True
-            if method == "set_if_absent":
-                if req["key"] not in self._data:
-                    self._put(req["key"], req["value"], now)
-                return self._data[req["key"]][0]
-            if method == "get":
-                item = self._data.get(req["key"])
-                return None if item is None else item[0]
-            if method == "list":  # {key: [value, seconds since it was set]}
-                return {k: [v, now - t] for k, (v, t, _) in self._data.items()
-                        if k.startswith(req["prefix"])}
-            if method == "delete":
-                if req["key"] in self._data:
-                    self._remove(req["key"])
-                return True
-            if method == "delete_prefix":  # one job's keys at most: the prefix names its id
-                _job_of(req["prefix"])
-                doomed = [k for k in self._data if k.startswith(req["prefix"])]
-                for key in doomed:
-                    self._remove(key)
-                return len(doomed)
+            return self._data[req["key"]][3]
+        if method == "list":  # {key: [value, seconds since it was set]}, the stale ones only if
+            older = req.get("older_than", -1.0)  # older_than is given
+            if isinstance(older, bool) or not isinstance(older, (int, float)):
+                raise TypeError("older_than must be a number of seconds")
+            parts = []
+            for k in self._under(req["prefix"]):
+                _, t, _, encoded = self._data[k]
+                if now - t > older:
+                    parts.append(b"%s:[%s,%r]" % (json.dumps(k).encode(), encoded, now - t))
+            return b"{" + b",".join(parts) + b"}"
+        if method == "batch":  # several calls under one lock, one reply each
+            ops = req.get("ops")
+            if not (isinstance(ops, list) and len(ops) <= MAX_BATCH):
+                raise ValueError(f"a batch is a list of at most {MAX_BATCH} [method, request]")
+            out = []
+            for op in ops:
+                if not (isinstance(op, list) and len(op) == 2 and op[0] in _METHODS
+                        and op[0] != "batch" and isinstance(op[1], dict)):
+                    raise ValueError("each call of a batch is [method, request] (no batch)")
+                _check_fields(op[1])
+                out.append(self._reply(op[0], op[1], now))
+            return b"[" + b",".join(out) + b"]"
+        return _dumps(self._act(method, req, now))
+
+    def _act(self, method: str, req: dict, now: float) -> Any:
+        if method == "set":
+            self._put(req["key"], req["value"], now)
+            return True
+        if method == "delete":
+            if req["key"] in self._data:
+                self._remove(req["key"])
+            return True
+        if method == "delete_prefix":  # one job's keys at most: the prefix names its id
+            _job_of(req["prefix"])
+            doomed = self._under(req["prefix"])
+            for key in doomed:
+                self._remove(key)
+            return len(doomed)
         raise ValueError(f"unknown method {method!r}")
 
 
 class StoreServer:
-    """A running store, as ``serve`` returns it.
+    """A running store, as ``serve`` returns it: a ``grpc.aio`` server on an event loop of its own
+    thread.
 
-    ``stop`` returns only once gRPC has finished every call it had taken, so that no call is
-    still being handed to the store's threads while the process exits. A stop that did not wait
-    let a flood of calls at the end of a job leave one of gRPC's pool threads waiting forever for
-    a message the stopped server would never deliver, and the agent alive after its job
-    (``RuntimeError: cannot schedule new futures after interpreter shutdown`` from gRPC's
-    serving thread, then the interpreter joining that pool thread for good).
+    ``stop`` returns only once gRPC has finished every call it had taken and the loop has ended,
+    so that nothing of the store still runs while the process exits (a stop that did not wait
+    once left the agent alive after its job, a thread waiting for a message that the stopped
+    server would never deliver).
     """
 
-    def __init__(self, server: grpc.Server):
-        self._server = server
+    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 store: _Store, address: str):
+        self._server, self._loop, self._thread = server, loop, thread
+        self._store, self._address = store, address
+        self._lock = threading.Lock()
+
+    def client(self, rdzv_id: str) -> LocalClient:
+        """A client of this store in this process (no network)."""
+        return LocalClient(self._store, self._address, rdzv_id)
 
     def stop(self, grace: float | None = 0, *, wait_s: float = 10.0) -> bool:
         """Stops serving: calls in progress get ``grace`` seconds (None: none), then are cancelled.
@@ -263,56 +335,87 @@ class StoreServer:
         Returns:
           True once the server has stopped (False if it had not within ``grace + wait_s``).
         """
-        return self._server.stop(grace).wait((grace or 0) + wait_s)
+        with self._lock:
+            if self._loop.is_closed() or not self._thread.is_alive():
+                return True
+            done = asyncio.run_coroutine_threadsafe(_shut(self._server, grace), self._loop)
+            try:
+                done.result((grace or 0) + wait_s)
+            except (TimeoutError, futures.TimeoutError):
+                return False
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(wait_s)
+            return not self._thread.is_alive()
+
+
+async def _shut(server: Any, grace: float | None) -> None:
+    """Stops ``server``, then ends what its calls left on the loop (calls still waiting for
+    their message), so that none is destroyed pending (asyncio's and gRPC's error lines)."""
+    await server.stop(grace)
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
     server = ref()
     if server is not None:
-        # No grace: gRPC runs a grace period on a new thread, and from Python 3.12 no thread can
-        # start once the interpreter is shutting down (RuntimeError); without one, the calls are
-        # cancelled on this thread.
         server.stop(None)
 
 
-_THREADS = 32
 MAX_STREAMS = 8
 """Calls one connection may have open at once (an agent makes a few at a time)."""
-# An honest message (a few hundred bytes) is there when its call starts; these leave room for a
-# loaded host all the same (the parameter servers' defaults for lateness, a store's for time).
-_RECEIVE_LIMITS = ReceiveLimits(chunk_timeout_s=2.0, body_timeout_s=5.0, slow_after_s=0.5,
-                                max_slow_per_peer=8, max_receiving=_THREADS // 2)
+MESSAGE_DEADLINE_S = 2.0
+"""How long a call may take to deliver its message once it began; then it is cut (an honest
+message, a few hundred bytes, comes with the call's headers)."""
+MAX_WAITING_PER_PEER = 256
+"""Calls one peer host may have waiting for their message at once; one more is refused at once."""
+MAX_WAITING = 2048
+"""Calls all peers together may have waiting for their message at once."""
+_HANDSHAKE_MS = 5_000  # a connection that has not completed HTTP/2's handshake by then is closed
 
 
-def _one_message(requests, receipt) -> bytes:
-    """A call's single message (an empty one, refused as such, if the caller sent none)."""
-    try:
-        for message in requests:
-            receipt.last = time.monotonic()
-            return message
-    except grpc.RpcError:
-        raise Cancelled() from None
-    return b""
+class _Waiting:
+    """Calls whose message has not arrived yet, per peer host: what a slow caller may hold.
+
+    The store is served by ``grpc.aio``: a call waiting for its message holds no thread, only
+    this count and a few kilobytes, so a flood of slow calls leaves the honest ones (whose
+    message comes with their headers) nothing to queue behind. The counts bound the memory."""
+
+    def __init__(self):
+        self.by_host: dict[str, int] = {}
+        self.total = 0
+        self.cut = 0  # calls cut for a message that did not come in time (for tests and status)
+
+    def enter(self, host: str) -> str | None:
+        """Counts one more waiting call of ``host``; the reason to refuse it, if any."""
+        if self.by_host.get(host, 0) >= MAX_WAITING_PER_PEER:
+            return (f"{host} has {MAX_WAITING_PER_PEER} calls waiting for their message "
+                    "(max_receiving per peer); retry later")
+        if self.total >= MAX_WAITING:
+            return f"{self.total} calls are waiting for their message (max_receiving); retry later"
+        self.by_host[host] = self.by_host.get(host, 0) + 1
+        self.total += 1
+        return None
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        left = self.by_host[host] - 1
+        if left:
+            self.by_host[host] = left
+        else:
+            del self.by_host[host]
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    """Refuses a call without the token from its metadata, before its message is read: an
-    unauthenticated caller gets no handler thread to hold."""
+def _peer_host(peer: str | None) -> str:
+    """``ipv4:10.0.0.1:5555`` -> ``ipv4:10.0.0.1`` (every connection of one host alike)."""
+    return (peer or "unknown").rsplit(":", 1)[0]
 
-    def __init__(self, token: str):
-        self._token = token.encode()
 
-    def intercept_service(self, continuation, handler_call_details):
-        sent = dict(handler_call_details.invocation_metadata or ()).get(
-            "x-jaxdist-rdzv-token", "")
-        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent),
-                               self._token):
-            return continuation(handler_call_details)
-
-        def deny(_requests, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing rendezvous token "
-                          f"(set {ENV_TOKEN} alike on every host)")
-        return grpc.stream_unary_rpc_method_handler(deny)
+def _token_ok(metadata, token: bytes) -> bool:
+    sent = dict(metadata or ()).get("x-jaxdist-rdzv-token", "")
+    return hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent), token)
 
 
 def serve(address: str, *, token: str | None = None,
@@ -339,53 +442,80 @@ def serve(address: str, *, token: str | None = None,
         return None
     store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
-    # Bodies are read as a stream under limits (jaxdist.launch.receive): a caller that holds its
-    # message back holds a handler thread for at most a second, and only a few per host, so a
-    # flood of such calls leaves threads free for honest ones, whose message comes at once.
-    receiver = Receiver(_RECEIVE_LIMITS, name="rdzv-receive-watch")
+    secret = token.encode() if token else None
+    waiting = _Waiting()
 
     def handler(method):
-        def call(requests, context) -> bytes:  # type: ignore[return]
-            # (context.abort raises: each branch without a return ends in one)
+        async def call(requests, context) -> bytes:
+            # The token is checked before the message is read: a caller without it holds nothing.
+            if secret is not None and not _token_ok(context.invocation_metadata(), secret):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing "
+                                    f"rendezvous token (set {ENV_TOKEN} alike on every host)")
+            host = _peer_host(context.peer())
+            refused = waiting.enter(host)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
             try:
-                request = receiver.read(requests, context, _one_message)
-            except Full as e:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except Cancelled:
-                return b""  # nobody reads the reply
+                request = await asyncio.wait_for(context.read(), MESSAGE_DEADLINE_S)
+            except asyncio.TimeoutError:
+                waiting.cut += 1
+                await context.abort(grpc.StatusCode.CANCELLED, f"the request's message did not "
+                                    f"arrive within {MESSAGE_DEADLINE_S:g} s of its call")
+            finally:
+                waiting.leave(host)
+            if not isinstance(request, bytes):  # grpc.aio.EOF: the caller sent no message
+                request = b""
             try:  # a reply is encoded as strictly as a request is read
-                return _dumps(store.handle(method, _decode(request)))
+                return store.reply(method, _decode(request))
             except OverflowError as e:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except (ValueError, KeyError, TypeError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RecursionError:  # JSON nested past the interpreter's limit
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is nested "
-                              "too deeply")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is "
+                                    "nested too deeply")
+            raise AssertionError("unreachable: context.abort raises")
         return grpc.stream_unary_rpc_method_handler(call)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_THREADS),
-                         handlers=[grpc.method_handlers_generic_handler(
-                             _SERVICE, {m: handler(m) for m in _METHODS})],
-                         interceptors=[_TokenCheck(token)] if token else [],
-                         options=[("grpc.so_reuseport", 0),
-                                  ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                                  ("grpc.max_concurrent_streams", MAX_STREAMS)])
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
+    async def start() -> tuple[Any, int]:
+        server = grpc.aio.server(
+            handlers=[grpc.method_handlers_generic_handler(
+                _SERVICE, {m: handler(m) for m in _METHODS})],
+            options=[("grpc.so_reuseport", 0),
+                     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                     ("grpc.max_concurrent_streams", MAX_STREAMS),
+                     ("grpc.server_handshake_timeout_ms", _HANDSHAKE_MS)])
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port:
+            await server.start()
+        return server, port
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True, name="rdzv-store")
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    stoppable = StoreServer(server, loop, thread, store, address)
+    stoppable.waiting = waiting  # type: ignore[attr-defined]  # for tests
     if port == 0:
-        server.stop(0)
+        stoppable.stop(0)
         return None
-    server.start()
-    stoppable = StoreServer(server)
-    # A server its owner never stopped is stopped before the interpreter joins the executor's
-    # threads (the hooks run newest first, so before concurrent.futures' own): see StoreServer.
+    # A server its owner never stopped is stopped before the interpreter exits (the hooks run
+    # newest first): see StoreServer.
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         register(_stop_at_exit, weakref.ref(stoppable))
     return stoppable, port
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 def _in_use(address: str) -> bool:
@@ -449,9 +579,12 @@ class RendezvousClient:
                 # A store busy refusing a flood of stalled calls, or one that cut this call as
                 # late (a loaded host): try again within the deadline (every method is
                 # idempotent).
+                # UNAVAILABLE mid-call: a stream the server refused (REFUSED_STREAM, before it
+                # knew the connection's limit on streams), never handled.
                 busy = (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                         and "max_receiving" in str(e.details()))
-                if (busy or e.code() == grpc.StatusCode.CANCELLED) and \
+                if (busy or e.code() in (grpc.StatusCode.CANCELLED,
+                                         grpc.StatusCode.UNAVAILABLE)) and \
                         time.monotonic() < end - 0.05:
                     time.sleep(0.05)
                     continue
@@ -479,11 +612,35 @@ class RendezvousClient:
         """The value of ``key``, or None."""
         return self._call("get", key=self._prefix + key)
 
-    def list(self, prefix: str) -> dict[str, tuple[Any, float]]:
-        """``{key without prefix: (value, age in seconds)}`` for the keys under ``prefix``."""
+    def list(self, prefix: str, *, older_than: float | None = None
+             ) -> dict[str, tuple[Any, float]]:
+        """``{key without prefix: (value, age in seconds)}`` for the keys under ``prefix`` (set
+        more than ``older_than`` seconds ago, if given)."""
+        extra = {} if older_than is None else {"older_than": older_than}
         full = self._prefix + prefix
         return {k[len(full):]: (v, age) for k, (v, age) in
-                self._call("list", prefix=full).items()}
+                self._call("list", prefix=full, **extra).items()}
+
+    def batch(self, *calls: tuple[str, dict]) -> builtins.list[Any]:
+        """Several calls as one (the store answers them at one instant): each ``(method,
+        request)`` with ``key``/``prefix`` as the other methods take them; their replies, in
+        order, as those methods return them. An agent's poll is one call, whatever it reads.
+
+        >>> server, port = serve("127.0.0.1:0")
+        >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
+        >>> client.batch(("set", {"key": "a/x", "value": 1}), ("get", {"key": "a/x"}),
+        ...              ("list", {"prefix": "a/"}))[:2]
+        [True, 1]
+        >>> server.stop(0)
+        True
+        """
+        if len(calls) > MAX_BATCH:
+            raise ValueError(f"{len(calls)} calls in one batch; at most {MAX_BATCH}")
+        ops = [[method, {f: self._prefix + v if f in ("key", "prefix") else v
+                         for f, v in req.items()}] for method, req in calls]
+        replies = self._call("batch", ops=ops)
+        return [{k[len(self._prefix + req["prefix"]):]: (v, age) for k, (v, age) in r.items()}
+                if method == "list" else r for (method, req), r in zip(calls, replies)]
 
     def delete(self, key: str) -> None:
         """Removes ``key`` if present."""
@@ -507,6 +664,25 @@ class RendezvousClient:
     def close(self) -> None:
         """Closes the channel."""
         self._channel.close()
+
+
+class LocalClient(RendezvousClient):
+    """A client of a store served by this process (``StoreServer.client``): the same methods,
+    no network; the serving agent's round closer reads the whole job's keys with it ten times a
+    second at no cost to the other agents' calls."""
+
+    def __init__(self, store: _Store, address: str, rdzv_id: str):
+        self.address, self._store, self._prefix = address, store, f"{rdzv_id}/"
+
+    def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
+        try:
+            return self._store.handle(method, _decode(_dumps(req)))
+        except (OverflowError, ValueError, KeyError, TypeError) as e:
+            raise RendezvousError(f"rendezvous store (this process's): {method} failed: "
+                                  f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        pass
 
 
 # -- what holds the port ----------------------------------------------------------------------
