@@ -126,11 +126,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(endpoint: str, nnodes: tuple[int, int], conn, host_timeout_s: float) -> None:
+def _serve(endpoint: str, nnodes: tuple[int, int], conn, host_timeout_s: float,
+           root: str) -> None:
     """The store's host: ``serve()`` and the round closer of the agent that serves it (this
     agent runs no round of its own). Answers ``("min", k)`` and ``("stats",)`` on ``conn``."""
     sim = types.SimpleNamespace(step_s=1.0, verbose=False, started=lambda n: None)
-    agent = elastic.Agent(_Launcher(sim, tempfile.mkdtemp()), nnodes=nnodes, endpoint=endpoint,
+    agent = elastic.Agent(_Launcher(sim, tempfile.mkdtemp(dir=root)), nnodes=nnodes,
+                          endpoint=endpoint,
                           rdzv_id=JOB, nproc=1, max_restarts=10**6, rdzv_timeout_s=600,
                           host_timeout_s=host_timeout_s, last_call_s=0.0)
     assert agent.server is not None, f"could not serve {endpoint}"
@@ -178,7 +180,7 @@ class Simulation:
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
             self._proc = ctx.Process(target=_serve, args=(self.endpoint, nnodes, child,
-                                                          host_timeout_s), daemon=True)
+                                                          host_timeout_s, self.root), daemon=True)
             self._proc.start()
             if not self._conn.poll(120):
                 raise RuntimeError("the store's process did not start within 120 s")
@@ -186,7 +188,7 @@ class Simulation:
             self._closer = None
         else:
             self._proc = None
-            self._closer = _serve(self.endpoint, nnodes, None, host_timeout_s)
+            self._closer = _serve(self.endpoint, nnodes, None, host_timeout_s, self.root)
         self.client = rendezvous.RendezvousClient(self.endpoint, JOB, timeout_s=30)
         self.agents: list[elastic.Agent] = []
         self.threads: list[threading.Thread] = []
