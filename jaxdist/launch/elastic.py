@@ -37,9 +37,11 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from jaxdist.launch import statedir
 from jaxdist.launch._procs import describe_exit, free_ports
@@ -114,10 +116,52 @@ def host_timeout_from_env(environ=None) -> float:
     return value
 
 
+@runtime_checkable
+class LauncherSurface(Protocol):
+    """What an elastic agent uses of its host's launcher (``jaxdist.launch.group._Launcher``):
+    its options, how it was asked to stop, the job's state directory and failures, and how it
+    starts, ends and inspects one group of processes."""
+
+    restarts: int
+
+    @property
+    def options(self) -> Any: ...  # group._Options (group imports this module)
+
+    @property
+    def stop_signal(self) -> int | None: ...
+
+    @property
+    def state_dir(self) -> str | None: ...
+
+    @property
+    def last_failure(self) -> str: ...
+
+    def say(self, message: str) -> None: ...
+
+    def repeated(self, failure: str) -> bool: ...
+
+    def child_env(self, extra: Mapping[str, str], attempt: int, *,
+                  local_rank: int | None = None, group_rank: int = 0,
+                  group_world_size: int = 1) -> dict[str, str]: ...
+
+    def spawn(self, label: str, env: Mapping[str, str],
+              readers: list[threading.Thread]) -> subprocess.Popen: ...
+
+    def end_group(self, procs: list[subprocess.Popen],
+                  readers: list[threading.Thread]) -> None: ...
+
+    def record_failure(self, description: str, steps: Mapping[int, int | None],
+                       ranks: Sequence[str] = ()) -> None: ...
+
+    def flush_survivors(self, procs: Mapping[int, subprocess.Popen]) -> None: ...
+
+    def dump_stacks(self, ranks: Mapping[int, int]) -> None: ...
+
+
 class Agent:
     """One host's agent (used by ``jaxdist launch --nnodes``; ``launcher`` is its ``_Launcher``)."""
 
-    def __init__(self, launcher: Any, *, nnodes: tuple[int, int], endpoint: str,
+    def __init__(self, launcher: LauncherSurface, *, nnodes: tuple[int, int], endpoint: str,
                  rdzv_id: str, nproc: int, max_restarts: int, rdzv_timeout_s: float,
                  host_timeout_s: float = HOST_TIMEOUT_S, last_call_s: float = 10.0):
         self.l = launcher
