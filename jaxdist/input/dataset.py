@@ -38,7 +38,7 @@ from jaxdist.core import PyTree, warn_non_finite
 from jaxdist.core.layout import check_batch_leaves
 from jaxdist.core.step import stacked_sharding
 from jaxdist.core.values import Batch
-from jaxdist.input.iterator import DistributedIterator, _first
+from jaxdist.input.iterator import DistributedIterator, _first, _one
 from jaxdist.input.local import (
     AutoShardPolicy,
     ShardableSource,
@@ -298,6 +298,29 @@ class DistributedDataset:
             # compilation). An iterable dataset's length is not known: it is not capped.
             group_size = max(1, min(int(group_size), len(self), steps or len(self)))
         return DistributedIterator(self, epoch, position, group_size, steps)
+
+    def epoch_stream(self, epoch: int, position: int, stop: threading.Event, *,
+                     group_size: int | None = None, steps: int | None = None
+                     ) -> tuple[Iterator[Any], Callable[[Any], Any], int]:
+        """What an iterator of this dataset runs (``DistributedIterator`` asks for it):
+        ``(items, make, prefetch)``, the epoch's host-side items from batch ``position`` (groups
+        of ``group_size``, or chunks placed ahead, or single batches; ``steps`` at most), the
+        function that places one item on the devices (a ``Group``, or a list of
+        ``(Batch, num_real)``), and how many items a producer thread makes ahead (0: on the
+        caller's thread). ``stop`` ends the items early. Call it on the loop's thread: it takes
+        the iteration's run number, so that processes creating iterators in the same order name
+        the same exchange."""
+        run = next(self._runs)
+        if group_size is not None:
+            return (self._host_groups(epoch, position, run, stop, group_size, steps),
+                    self._group_to_device, self._prefetch)
+        if self._ahead > 1:
+            return (self._host_groups(epoch, position, run, stop, self._ahead, steps),
+                    self._chunk_to_device, self._prefetch)
+        items = self._host_batches(epoch, position, run, stop)
+        if steps is not None:
+            items = _first(items, steps)
+        return items, functools.partial(_one, self._to_device), self._prefetch
 
     # --- producing host batches -------------------------------------------------------------------
     def _rows(self) -> slice:

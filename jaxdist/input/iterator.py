@@ -8,7 +8,6 @@ checkpoint records, and stops the thread when the iterator is closed or dropped.
 from __future__ import annotations
 
 import collections
-import functools
 import queue
 import threading
 import time
@@ -132,20 +131,10 @@ class DistributedIterator:
         # The run number is taken here, on the caller's thread, so that processes creating
         # iterators in the same order name the same exchange.
         stop = threading.Event()
-        run = next(dataset._runs)
-        if self._grouped:
-            items = dataset._host_groups(epoch, position, run, stop, group_size, steps)
-            make = dataset._group_to_device
-        elif dataset._ahead > 1:
-            items = dataset._host_groups(epoch, position, run, stop, dataset._ahead, steps)
-            make = dataset._chunk_to_device
-        else:
-            items = dataset._host_batches(epoch, position, run, stop)
-            if steps is not None:
-                items = _first(items, steps)
-            make = functools.partial(_one, dataset._to_device)
-        self._producer = (_Producer(items, make, dataset._prefetch, stop)
-                          if dataset._prefetch else _Inline(items, make, stop))
+        items, make, prefetch = dataset.epoch_stream(epoch, position, stop,
+                                                     group_size=group_size, steps=steps)
+        self._producer = (_Producer(items, make, prefetch, stop)
+                          if prefetch else _Inline(items, make, stop))
 
     def __iter__(self):
         return self

@@ -520,13 +520,8 @@ class Agent:
         while True:
             time.sleep(0.1)
             codes = [p.poll() for p in procs]
-            if self.l.stop_signal is not None and not self._leaving:
-                if self.l.stop_signal == signal.SIGKILL:
-                    return "signal", 128 + signal.SIGKILL
-                self._leaving = True
-                self.say(f"received {signal.Signals(self.l.stop_signal).name}: this host leaves "
-                         "the job at a step every process agrees on")
-                self.store.set(f"leaving/{self.id}", 1)
+            if self.l.stop_signal is not None and not self._leaving and self._leave():
+                return "signal", 128 + signal.SIGKILL
             outcomes = {r: statedir.read_outcome(state_dir, r) for r, c in zip(local, codes)
                         if c is not None}
             refused = next((o["rejected"] for o in outcomes.values() if o and "rejected" in o),
@@ -555,18 +550,10 @@ class Agent:
                 continue
             next_poll = time.monotonic() + self._watch_poll_s()
             try:
-                calls = [("get", {"key": f"r{n}/failed"}), ("list", {"prefix": "leaving/"}),
-                         ("list", {"prefix": "rejected/"}),
-                         ("list", {"prefix": f"r{n + 1}/member/"}),
-                         ("get", {"key": f"r{n}/drain"}), ("get", {"key": "done"}),
-                         ("get", {"key": f"r{n}/lost"}), *self._beat_call()]
-                if time.monotonic() - published > 1.0:  # for naming the rank a hang waits for
-                    published = time.monotonic()
-                    calls.append(("set", {"key": f"r{n}/progress/{self.id}", "value": {
-                        str(r): (b.dispatched if b is not None else None)
-                        for r, b in detector.progress().items()}}))
+                publish = time.monotonic() - published > 1.0
+                published = time.monotonic() if publish else published
                 failed, leaving_now, rejected, registered, stop, done, silent, *_ = \
-                    self.store.batch(*calls)
+                    self.store.batch(*self._round_calls(n, detector, publish))
                 self._beaten = time.monotonic()
                 leaving = set(leaving_now) | set(rejected)
                 joiners = [k for k in registered if k not in ids]
@@ -602,6 +589,31 @@ class Agent:
                     write_stop(self.l.state_dir, stop)
                 except OSError as e:  # a full /dev/shm: the tier never takes the agent down
                     self.say(f"could not ask this host's processes to stop at step {stop} ({e})")
+
+    def _leave(self) -> bool:
+        """This host was asked to stop: True for SIGKILL (at once), else it announces that it
+        leaves at a step every process agrees on."""
+        if self.l.stop_signal == signal.SIGKILL:
+            return True
+        self._leaving = True
+        self.say(f"received {signal.Signals(self.l.stop_signal).name}: this host leaves the job "
+                 "at a step every process agrees on")
+        self.store.set(f"leaving/{self.id}", 1)
+        return False
+
+    def _round_calls(self, n: int, detector: HangDetector, publish: bool) -> list:
+        """One poll of a running round, as one batch: a failure, hosts leaving, refused or
+        joining, the agreed stop step, the job's end, the lost hosts, this host's heartbeat and
+        (``publish``) its ranks' progress, for naming the rank a hang waits for."""
+        calls = [("get", {"key": f"r{n}/failed"}), ("list", {"prefix": "leaving/"}),
+                 ("list", {"prefix": "rejected/"}), ("list", {"prefix": f"r{n + 1}/member/"}),
+                 ("get", {"key": f"r{n}/drain"}), ("get", {"key": "done"}),
+                 ("get", {"key": f"r{n}/lost"}), *self._beat_call()]
+        if publish:
+            calls.append(("set", {"key": f"r{n}/progress/{self.id}", "value": {
+                str(r): (b.dispatched if b is not None else None)
+                for r, b in detector.progress().items()}}))
+        return calls
 
     def _ended(self, n: int, outcomes: dict, detector: HangDetector,
                draining: bool) -> tuple[str, int]:
