@@ -84,24 +84,29 @@ class _Overlap:
         """``(host copies, the device snapshot they read or None)``, dispatched asynchronously.
 
         Raises ``PinnedFull`` when pinned host memory ran out."""
-        if self.snapshots:
-            peak = _peak(blocks)
-            if peak is not None and self._peak is not None and peak > self._peak:
-                # The step's peak grew (a longer sequence, an evaluation): room checked again.
-                self._peak = peak
-                room, why = _device_room(blocks)
-                if not room:
-                    self.snapshots = False
-                    logger.warning("in-memory tier: copying the state directly from now on: %s. "
-                                   "The step after each copy may wait for it", why)
-                    return _pinned_copy(blocks), None
+        if self.snapshots and self._still_room(blocks):
             try:
                 return _snapshot_to_host(blocks)
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
-                self.snapshots = False
-                logger.warning("in-memory tier: copying the state directly from now on: no device "
-                               "memory for a snapshot (%s). The step after each copy may wait for "
-                               "it", str(e).splitlines()[0][:200])
+                self._go_direct(f"no device memory for a snapshot "
+                                f"({str(e).splitlines()[0][:200]})")
         return _pinned_copy(blocks), None
+
+    def _still_room(self, blocks: list) -> bool:
+        """Whether a snapshot still fits: checked again only when the devices' peak grew since
+        the last check (a longer sequence, an evaluation); snapshots go off, said once, if not."""
+        peak = _peak(blocks)
+        if peak is None or self._peak is None or peak <= self._peak:
+            return True
+        self._peak = peak
+        room, why = _device_room(blocks)
+        if not room:
+            self._go_direct(why)
+        return room
+
+    def _go_direct(self, why: str) -> None:
+        self.snapshots = False
+        logger.warning("in-memory tier: copying the state directly from now on: %s. The step "
+                       "after each copy may wait for it", why)
