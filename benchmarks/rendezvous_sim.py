@@ -18,7 +18,9 @@ which the store's load at 10,000 hosts follows.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -142,6 +144,12 @@ def _serve(endpoint: str, nnodes: tuple[int, int], conn, host_timeout_s: float,
     threading.Thread(target=agent._close_rounds, daemon=True).start()
     if conn is None:
         return agent  # type: ignore[return-value]
+    # Every simulated host calls from 127.0.0.1, where each real host has an address of its own:
+    # the bounds on one peer's calls waiting for their message, sessions and held calls are the
+    # store's whole bounds here (in this child process only).
+    rendezvous.MAX_WAITING_PER_PEER = rendezvous.MAX_WAITING
+    rendezvous.MAX_SESSIONS_PER_PEER = rendezvous.MAX_SESSIONS
+    rendezvous.MAX_HOLDING_PER_PEER = rendezvous.MAX_HOLDING
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -163,8 +171,9 @@ def _store_stats(server) -> dict:
     return {"keys": keys, "bytes": size}
 
 
-class Simulation:
-    """N simulated hosts against one store."""
+class _Harness:
+    """The store (``_serve``, in a child process or a thread) and the rounds' accounting that both
+    kinds of simulated hosts share."""
 
     def __init__(self, hosts: int, *, step_s: float = 0.25, store: str = "process",
                  host_timeout_s: float = elastic.HOST_TIMEOUT_S, verbose: bool = False):
@@ -190,10 +199,77 @@ class Simulation:
             self._proc = None
             self._closer = _serve(self.endpoint, nnodes, None, host_timeout_s, self.root)
         self.client = rendezvous.RendezvousClient(self.endpoint, JOB, timeout_s=30)
+        self.calls = self.retries = 0
+        self.codes: dict[str, Any] = {}
+
+    def started(self, n: int) -> None:
+        with self._lock:
+            self._started[n] = self._started.get(n, 0) + 1
+            self._lock.notify_all()
+
+    def wait_round(self, n: int, hosts: int, timeout_s: float) -> float:
+        """Waits until ``hosts`` hosts have started their processes in round ``n``; the time."""
+        if self.verbose:
+            print(f"waiting for round {n} of {hosts} hosts", flush=True)
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._started.get(n, 0) >= hosts, timeout_s):
+                raise TimeoutError(
+                    f"round {n}: {self._started.get(n, 0)} of {hosts} hosts started within "
+                    f"{timeout_s:g} s (registered: {len(self.client.list(f'r{n}/member/'))}, "
+                    f"alive: {self.client.get('alive_n')}, open: {self.client.get('open')}; "
+                    f"ended: {sorted(set(map(str, self.codes.values())))[:5]}; store "
+                    f"{self.store_usage()}, this process's CPU {sum(os.times()[:2]):.1f} s)")
+        return time.monotonic()
+
+    def round_members(self, n: int) -> int:
+        return len(self.client.get(f"r{n}/final") or ())
+
+    # -- the store --------------------------------------------------------------------------
+
+    def set_min(self, k: int) -> None:
+        if self._proc is not None:
+            self._conn.send(("min", k))
+        else:
+            self._closer.min = k
+
+    def store_usage(self) -> dict:
+        """The store's process: CPU seconds so far, RSS; the store's keys and bytes."""
+        if self._proc is not None:
+            self._conn.send(("stats",))
+            stats = self._conn.recv()
+            pid = self._proc.pid
+        else:
+            stats = _store_stats(self._closer.server[0])
+            pid = os.getpid()
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return {"cpu_s": cpu, "rss_mb": rss, **stats}
+
+    def _stop_store(self) -> None:
+        if self._proc is not None:
+            self._conn.send(("stop",))
+            self._conn.poll(30)
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+        else:
+            self._closer._stopped.set()
+            self._closer.server[0].stop(0)
+        self.client.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Simulation(_Harness):
+    """N real agents (``elastic.Agent``, in threads of this process) against one store: the
+    agents' code as it runs, for up to about 128 hosts on a 2-core machine (``--agents real``)."""
+
+    def __init__(self, hosts: int, **kw):
+        super().__init__(hosts, **kw)
         self.agents: list[elastic.Agent] = []
         self.threads: list[threading.Thread] = []
-        self.codes: dict[str, int] = {}
-        self.calls = 0
         self._count_calls()
         # The agents' local ticks (a look at their processes every 0.1 s) cost each real host its
         # own CPU; here every host shares one process, so at scale they tick less often (their
@@ -243,52 +319,6 @@ class Simulation:
         agent.store._call = frozen  # type: ignore[method-assign]
         agent.l.stop_signal = None
 
-    def started(self, n: int) -> None:
-        with self._lock:
-            self._started[n] = self._started.get(n, 0) + 1
-            self._lock.notify_all()
-
-    def wait_round(self, n: int, hosts: int, timeout_s: float) -> float:
-        """Waits until ``hosts`` hosts have started their processes in round ``n``; the time."""
-        if self.verbose:
-            print(f"waiting for round {n} of {hosts} hosts", flush=True)
-        with self._lock:
-            if not self._lock.wait_for(lambda: self._started.get(n, 0) >= hosts, timeout_s):
-                raise TimeoutError(
-                    f"round {n}: {self._started.get(n, 0)} of {hosts} hosts started within "
-                    f"{timeout_s:g} s (registered: {len(self.client.list(f'r{n}/member/'))}, "
-                    f"alive: {self.client.get('alive_n')}, open: {self.client.get('open')}; "
-                    f"ended: {sorted(set(map(str, self.codes.values())))[:5]}; store "
-                    f"{self.store_usage()}, this process's CPU {sum(os.times()[:2]):.1f} s)")
-        return time.monotonic()
-
-    def round_members(self, n: int) -> int:
-        return len(self.client.get(f"r{n}/final") or ())
-
-    # -- the store --------------------------------------------------------------------------
-
-    def set_min(self, k: int) -> None:
-        if self._proc is not None:
-            self._conn.send(("min", k))
-        else:
-            self._closer.min = k
-
-    def store_usage(self) -> dict:
-        """The store's process: CPU seconds so far, RSS; the store's keys and bytes."""
-        if self._proc is not None:
-            self._conn.send(("stats",))
-            stats = self._conn.recv()
-            pid = self._proc.pid
-        else:
-            stats = _store_stats(self._closer.server[0])
-            pid = os.getpid()
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        with open(f"/proc/{pid}/status") as f:
-            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-        return {"cpu_s": cpu, "rss_mb": rss, **stats}
-
     def close(self) -> None:
         for agent in self.agents:
             if "_call" in vars(agent.store):  # a lost host: its agent gives up, no fail-over
@@ -297,29 +327,271 @@ class Simulation:
         end = time.monotonic() + 60
         for t in self.threads:
             t.join(timeout=max(0.0, end - time.monotonic()))
-        if self._proc is not None:
-            self._conn.send(("stop",))
-            self._conn.poll(30)
-            self._proc.join(timeout=30)
-            if self._proc.is_alive():
-                self._proc.kill()
-        else:
-            self._closer._stopped.set()
-            self._closer.server[0].stop(0)
-        self.client.close()
+        self._stop_store()
         rendezvous.RendezvousClient._call = self._original_call  # type: ignore[method-assign]
         elastic.time = self._time  # type: ignore[attr-defined]
-        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- light hosts: many in one event loop (the default) ---------------------------------------
+
+class _Progress:
+    """What ``Agent._round_calls`` reads of a hang detector: each rank's dispatched steps."""
+
+    def __init__(self, host: _LightHost):
+        self.host = host
+
+    def progress(self) -> dict:
+        return {self.host.index: types.SimpleNamespace(dispatched=self.host.step())}
+
+
+_CALL_TIMEOUT_S = rendezvous.RendezvousClient.__init__.__kwdefaults__["timeout_s"]
+
+
+class _LightHost:
+    """One simulated host as a coroutine: the calls of ``elastic.Agent`` (its poll batches, member
+    record and timings are the agent's own methods), at a fraction of a thread's cost. Its one
+    process is a step counter (a step every ``step_s``); it stops at the step the agents agree on."""
+
+    _poll_s = elastic.Agent._poll_s
+    _beat_s = elastic.Agent._beat_s
+    _watch_poll_s = elastic.Agent._watch_poll_s
+    _beat_call = elastic.Agent._beat_call
+    _join_calls = elastic.Agent._join_calls
+    _join_watch = elastic.Agent._join_watch
+    _round_calls = elastic.Agent._round_calls
+    _member_record = elastic.Agent._member_record
+
+    def __init__(self, sim: LightSimulation, index: int):
+        self.sim, self.index = sim, index
+        self.hostname = f"sim-host-{index}"
+        self.id = f"{self.hostname}-{index}"
+        self.addr, self.nproc, self.identity = "127.0.0.1", 1, sim.identity
+        self.host_timeout_s = sim.host_timeout_s
+        self._hosts, self._quiet, self._beaten, self._last_order = 1, False, 0.0, None
+        self._prefix = f"{JOB}/"
+        self.base, self.started_at, self.stop_at = 0, time.monotonic(), None
+        self.frozen = False
+        self.sessions: dict[str, Any] = {}  # lane: its session (RendezvousClient's, per thread)
+        self.tasks: list[asyncio.Task] = []
+
+    def step(self) -> int:
+        step = self.base + int((time.monotonic() - self.started_at) / self.sim.step_s)
+        return step if self.stop_at is None else min(step, self.stop_at)
+
+    # -- calls: the RendezvousClient's requests and replies, over grpc.aio --------------------
+
+    async def call(self, method: str, lane: str = "main", **req) -> Any:
+        """One request over this host's session of ``lane`` (the agent's threads each have
+        theirs: its main loop, its heartbeat)."""
+        if self.frozen:
+            await asyncio.Event().wait()  # a lost host makes no call any more
+        import grpc
+
+        request = rendezvous._dumps(  # a session's message, as RendezvousClient._send's
+            {"m": method, **{f: self._prefix + v if f in ("key", "prefix") else v
+                             for f, v in req.items()}})
+        held = req["watch"]["s"] if "watch" in req else 0.0  # as RendezvousClient.watch
+        end = time.monotonic() + held + _CALL_TIMEOUT_S
+        while True:  # as RendezvousClient._call: a busy store's refusals are tried again
+            try:
+                if lane not in self.sessions:
+                    self.sessions[lane] = self.sim.channel(self.index).stream_stream(
+                        f"/{rendezvous._SERVICE}/session")(wait_for_ready=True)
+                async with asyncio.timeout(max(0.01, end - time.monotonic())):
+                    await self.sessions[lane].write(request)
+                    reply = await self.sessions[lane].read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("the store ended the session")
+                break
+            except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as e:
+                session = self.sessions.pop(lane, None)
+                if session is not None:
+                    session.cancel()
+                code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+                busy = (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and "max_receiving" in str(e.details()))
+                if not (busy or isinstance(e, ConnectionError) or code in (
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)) \
+                        or time.monotonic() >= end - 0.05:
+                    raise
+                self.sim.retries += 1
+                await asyncio.sleep(0.05)
+        self.sim.calls += 1
+        return self.sim.decode(reply)
+
+    async def batch(self, *calls: tuple[str, dict], watch: dict | None = None) -> Any:
+        ops = [[m, {f: self._prefix + v if f in ("key", "prefix") else v for f, v in r.items()}]
+               for m, r in calls]
+        if watch is None:
+            replies, seen = await self.call("batch", ops=ops), None
+        else:  # RendezvousClient.watch
+            watch = {**watch, "on": [self._prefix + w for w in watch["on"]]}
+            reply = await self.call("batch", ops=ops, watch=watch)
+            replies, seen = reply["replies"], reply["seen"]
+        self._beaten = time.monotonic()
+        out = [{k[len(self._prefix + r["prefix"]):]: va for k, va in got.items()}
+               if m == "list" else got for (m, r), got in zip(calls, replies)]
+        return out if watch is None else (out, seen)
+
+    # -- the agent's loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.call("set_if_absent", key="open", value=0)
+        await self.call("set_if_absent", key="done", value=0)
+        self.tasks.append(asyncio.ensure_future(self._beat()))
+        while True:
+            joined = await self._join()
+            if joined is None:
+                return
+            await self._round(*joined)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(elastic._BEAT_S)
+            if time.monotonic() - self._beaten >= self._beat_s():
+                await self.call("set", lane="beat", key=f"alive/{self.id}", value=self.hostname)
+                self._beaten = time.monotonic()
+
+    async def _join(self) -> tuple[int, list] | None:
+        while True:  # as Agent._join
+            done, n = await self.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
+            if done:
+                return None
+            register = [("set", {"key": f"r{n}/member/{self.id}",
+                                 "value": self._member_record(0)})]
+            seen, next_at = None, time.monotonic()
+            while True:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                next_at = time.monotonic() + self._poll_s(least=0.05)
+                hold = self._beat_s()
+                self._beaten = time.monotonic() + hold
+                replies, seen = await self.batch(
+                    *register, *self._join_calls(),
+                    watch={"on": self._join_watch(), "seen": seen, "s": hold})
+                opened, _, done, _, alive_n, *_ = replies[len(register):]
+                register = []
+                if opened != n:
+                    break
+                if done:
+                    return None
+                if alive_n is None:
+                    alive_n = len(await self.call("list", prefix="alive/"))
+                self._hosts = max(alive_n, 1)
+            final = await self.call("get", key=f"r{n}/final")
+            if final and any(k == self.id for k, _ in final):
+                return n, final
+
+    async def _round(self, n: int, members: list) -> None:
+        self._hosts = len(members)
+        ids = [k for k, _ in members]
+        self._last_order = ids.index(self.id)
+        self.base, self.started_at, self.stop_at = self.step(), time.monotonic(), None
+        self.sim.started(n)
+        progress, published = _Progress(self), 0.0
+        while True:
+            await asyncio.sleep(self._watch_poll_s())
+            publish = time.monotonic() - published > 1.0
+            published = time.monotonic() if publish else published
+            failed, leaving, rejected, registered, stop_now, done, silent, *_ = \
+                await self.batch(*self._round_calls(n, progress, publish))
+            if done or failed:
+                return
+            if any(k in ids and k != self.id for k in silent or ()):
+                await self.call("set_if_absent", key=f"r{n}/failed", value="a host lost")
+                return
+            if stop_now is None and any(k not in ids for k in registered):
+                stop_now = await self.call("set_if_absent", key=f"r{n}/drain",
+                                           value=self.step() + max(4, math.ceil(
+                                               elastic._DRAIN_LEAD_S / self.sim.step_s)))
+            if stop_now is not None:
+                self.stop_at = stop_now
+                if self.step() >= stop_now:
+                    return
+
+
+class LightSimulation(_Harness):
+    """N light hosts (``_LightHost``) on one event loop in a thread of this process, each with a
+    connection of its own, against the store in a child process (``_serve``: ``serve()`` and the
+    serving agent's round closer, as on a real job's store host)."""
+
+    def __init__(self, hosts: int, **kw):
+        super().__init__(hosts, **kw)
+        self.identity = elastic._identity(types.SimpleNamespace(
+            options=types.SimpleNamespace(devices_per_process=None)))  # as _serve's agent's
+        self.agents: list[_LightHost] = []
+        self._channels: list[Any] = []
+        self._decoded: dict[bytes, Any] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="light-hosts")
+        self._thread.start()
+
+    def channel(self, index: int) -> Any:
+        """Host ``index``'s channel: a connection of its own, as each real host has (gRPC would
+        share one between channels of one process to one address)."""
+        import grpc
+
+        while len(self._channels) <= index:
+            self._channels.append(grpc.aio.insecure_channel(self.endpoint, options=[
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.max_receive_message_length", rendezvous.MAX_REPLY_BYTES)]))
+        return self._channels[index]
+
+    def decode(self, reply: bytes) -> Any:
+        """A reply as ``RendezvousClient`` reads it (``_loads``); a large one (a round's member
+        list, which every host reads once) is parsed once for all the hosts of this process,
+        as each real host would parse it on its own CPU at the same time."""
+        if len(reply) < 4096:
+            return rendezvous._loads(reply)
+        if reply not in self._decoded:
+            if len(self._decoded) > 8:
+                self._decoded.clear()
+            self._decoded[reply] = rendezvous._loads(reply)
+        return self._decoded[reply]
+
+    def add_host(self) -> _LightHost:
+        host = _LightHost(self, len(self.agents))
+        self.agents.append(host)
+        return host
+
+    def start(self, host: _LightHost) -> None:
+        async def run():
+            try:
+                await host.run()
+                self.codes[host.id] = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said in wait_round's error
+                self.codes[host.id] = repr(e)
+        self.loop.call_soon_threadsafe(lambda: host.tasks.append(self.loop.create_task(run())))
+
+    def freeze(self, host: _LightHost) -> None:
+        """The host is lost: it makes no call any more (no heartbeat)."""
+        host.frozen = True
+
+    def close(self) -> None:
+        async def end():
+            tasks = [t for h in self.agents for t in h.tasks]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for channel in self._channels:
+                await channel.close()
+        asyncio.run_coroutine_threadsafe(end(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self._stop_store()
 
 
 def run(hosts: int, *, step_s: float = 0.25, store: str = "process", steady_s: float = 5.0,
         host_timeout_s: float = elastic.HOST_TIMEOUT_S, join: bool = True,
-        verbose: bool = False) -> dict[str, Any]:
+        agents: str = "light", verbose: bool = False) -> dict[str, Any]:
     """Forms a round of ``hosts``, loses one, adds one (``join``); the times and the store's
     costs. Raises if a round does not form with the hosts expected."""
-    sim = Simulation(hosts, step_s=step_s, store=store, host_timeout_s=host_timeout_s,
-                     verbose=verbose)
-    out: dict[str, Any] = {"hosts": hosts}
+    kind = {"light": LightSimulation, "real": Simulation}[agents]
+    sim = kind(hosts, step_s=step_s, store=store, host_timeout_s=host_timeout_s,
+               verbose=verbose)
+    out: dict[str, Any] = {"hosts": hosts, "agents": agents}
     try:
         for _ in range(hosts):
             sim.add_host()
@@ -330,6 +602,7 @@ def run(hosts: int, *, step_s: float = 0.25, store: str = "process", steady_s: f
         for agent in sim.agents:
             sim.start(agent)
         out["form_s"] = sim.wait_round(0, hosts, 120) - t0
+        out["form_sim_cpu_s"] = sum(os.times()[:2]) - out.pop("cpu_s_start")
         out["form_calls_per_host"] = (sim.calls - calls0) / hosts
         u1 = sim.store_usage()
         out["form_store_cpu_s"] = u1["cpu_s"] - u0["cpu_s"]
@@ -363,6 +636,8 @@ def run(hosts: int, *, step_s: float = 0.25, store: str = "process", steady_s: f
         assert sim.round_members(2) == hosts, sim.round_members(2)
         out["round_sizes"].append(hosts)
         out["rss_mb_end"] = sim.store_usage()["rss_mb"]
+        out["sim_cpu_s"] = sum(os.times()[:2])
+        out["retries"] = sim.retries
     finally:
         sim.close()
     return out
@@ -495,6 +770,9 @@ def main(argv=None) -> None:
     parser.add_argument("--step-s", type=float, default=0.25,
                         help="seconds per simulated training step")
     parser.add_argument("--store", choices=["process", "thread"], default="process")
+    parser.add_argument("--agents", choices=["light", "real"], default="light",
+                        help="light: coroutines making the agents' calls (the default; 1,024 "
+                        "hosts fit one process); real: elastic.Agent in threads (to ~128)")
     parser.add_argument("--steady-s", type=float, default=5.0)
     parser.add_argument("--verbose", action="store_true", help="print the agents' lines")
     parser.add_argument("--slow", type=int, default=0, metavar="N",
@@ -512,7 +790,7 @@ def main(argv=None) -> None:
     rows = []
     for n in args.hosts:
         row = run(n, step_s=args.step_s, store=args.store, steady_s=args.steady_s,
-                  verbose=args.verbose)
+                  agents=args.agents, verbose=args.verbose)
         print(json.dumps(row), flush=True)
         rows.append(row)
     with open("/proc/loadavg") as f:

@@ -54,6 +54,7 @@ from jaxdist.launch.statedir import stop_path, write_stop
 HOST_TIMEOUT_S = 3.0      # an agent silent this long is lost
 _BEAT_S = 0.3
 _SETTLE_S = 0.5           # close a round this long after the last registration, all present
+_RESETTLE_S = 0.1         # the same for the rounds after the first
 _DRAIN_LEAD_S = 1.0       # how far ahead (in time) the stop step is put
 # The store answers a call in about 0.5 ms of its CPU: each agent asks it once per poll (one
 # batch, its heartbeat in it), and a larger job polls less often, so that the store's load stays
@@ -243,14 +244,17 @@ class Agent:
     def _close_rounds_loop(self) -> None:
         # On the store's own host: its reads cost no call (and nothing of the others' time).
         store = self.server[0].client(self.rdzv_id) if self.server is not None else self.store
-        while not self._stopped.wait(0.1):
+        finals: dict[int, Any] = {}  # a round's final list, written once: read once (100 KB
+        while not self._stopped.wait(0.1):  # at 1,024 hosts)
             try:
                 n = store.get("open")
                 regs = store.list(f"r{n}/member/")
                 alive = set(self._alive_agents(store))
                 leaving = set(store.list("leaving/"))
                 rejected = set(store.list("rejected/"))
-                prev = store.get(f"r{n - 1}/final") if n > 0 else None
+                if n - 1 not in finals:
+                    finals = {n - 1: store.get(f"r{n - 1}/final") if n > 0 else None}
+                prev = finals[n - 1]
                 moved = store.get("moved") == n
                 self._census(store, n - 1, prev, alive, leaving | rejected)
             except RendezvousError:
@@ -264,11 +268,14 @@ class Agent:
             newest = min(age for _, age in regs.values())
             oldest = max(age for _, age in regs.values())
             missing = alive - set(ready) - leaving
-            # The first round also waits a little for agents still starting (torchrun's last call).
-            if len(ready) >= self.max or (newest > _SETTLE_S and not missing
+            # The first round also waits a little for agents still starting (torchrun's last
+            # call); a later one re-forms agents that are all registered (none missing) at once.
+            settle = _SETTLE_S if n == 0 else _RESETTLE_S
+            if len(ready) >= self.max or (newest > settle and not missing
                                           and (n > 0 or oldest > self.last_call_s)):
                 order = sorted(ready, key=lambda k: (ready[k]["order"], -regs[k][1]))[:self.max]
-                store.set(f"r{n}/final", [[k, ready[k]] for k in order])
+                store.set(f"r{n}/final", [[k, _final_entry(ready[k], lead=i == 0)]
+                                          for i, k in enumerate(order)])
                 store.set("open", n + 1)
                 # Rounds before the last are over: their keys go (a long job keeps a few).
                 for old in range(self._cleaned, n - 1):
@@ -430,22 +437,29 @@ class Agent:
         deadline = time.monotonic() + self.rdzv_timeout_s
         port = free_ports(1, host="")[0]
         while time.monotonic() < deadline:
-            if self.store.get("done") or self.l.stop_signal is not None:
+            done, n = self.store.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
+            if done or self.l.stop_signal is not None:
                 return None
-            n = self.store.get("open")
-            order = self._last_order if self._last_order is not None else 1 << 30
-            self.store.set(f"r{n}/member/{self.id}", {
-                "addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
-                "order": order, "identity": self.identity})
+            # Registers with the first poll. The store holds each later poll until the round
+            # closes (or a heartbeat's time): no polling storm at 1,000 hosts, and the round
+            # starts at once. Never more than one call per poll interval; a store that holds
+            # nothing is polled as before.
+            register = [("set", {"key": f"r{n}/member/{self.id}",
+                                 "value": self._member_record(port)})]
+            seen, next_at = None, time.monotonic()
             while time.monotonic() < deadline:
-                time.sleep(self._poll_s(least=0.05))
+                time.sleep(max(0.0, next_at - time.monotonic()))
+                next_at = time.monotonic() + self._poll_s(least=0.05)
                 if self.l.stop_signal is not None:
                     return None  # SIGTERM while waiting for a round: leave now, not at the deadline
-                opened, refused, done, quorum, alive_n, *_ = self.store.batch(
-                    ("get", {"key": "open"}), ("get", {"key": f"rejected/{self.id}"}),
-                    ("get", {"key": "done"}), ("get", {"key": "quorum"}),
-                    ("get", {"key": "alive_n"}), *self._beat_call())
+                hold = self._beat_s()
+                # (the call stamps the heartbeat when it arrives and again when it is answered)
+                self._beaten = time.monotonic() + hold
+                replies, seen = self.store.watch(*register, *self._join_calls(),
+                                                 on=self._join_watch(), seen=seen, within_s=hold)
                 self._beaten = time.monotonic()
+                opened, refused, done, quorum, alive_n, *_ = replies[len(register):]
+                register = []
                 if opened != n:
                     break
                 if refused:
@@ -458,10 +472,31 @@ class Agent:
                 waiting = quorum is not None and quorum.get("round") == n
                 if alive_n >= self.min and not waiting:
                     deadline = time.monotonic() + self.rdzv_timeout_s  # a round runs or forms
-            final = self.store.get(f"r{n}/final")
+            else:
+                break
+            final = self.store.get(f"r{n}/final")  # (the same reply for every agent)
             if final and any(k == self.id for k, _ in final):
                 return n, final
         return None
+
+    def _member_record(self, port: int) -> dict[str, Any]:
+        """What this agent registers for a round: where its processes' coordinator would listen,
+        how many processes it runs, its place in the last round and its versions."""
+        order = self._last_order if self._last_order is not None else 1 << 30
+        return {"addr": self.addr, "port": port, "nproc": self.nproc, "host": self.hostname,
+                "order": order, "identity": self.identity}
+
+    def _join_calls(self) -> list[tuple[str, dict]]:
+        """One poll while waiting for a round, as one batch: the open round, whether this agent
+        is refused, the job's end, a lost quorum, how many agents are alive, its heartbeat."""
+        return [("get", {"key": "open"}), ("get", {"key": f"rejected/{self.id}"}),
+                ("get", {"key": "done"}), ("get", {"key": "quorum"}),
+                ("get", {"key": "alive_n"}), *self._beat_call()]
+
+    def _join_watch(self) -> list[str]:
+        """What a waiting agent's poll is answered on when it changes: all it reads but the
+        count of live agents (which changes with every arrival)."""
+        return ["open", f"rejected/{self.id}", "done", "quorum"]
 
     def _run_round(self, n: int, members: list) -> tuple[str, int]:
         self._round, self._members = n, members
@@ -787,6 +822,13 @@ def _identity(launcher: Any) -> dict[str, Any]:
 
     return {"jaxdist": __version__, "jax": jax.__version__,
             "devices_per_process": launcher.options.devices_per_process}
+
+
+def _final_entry(record: dict[str, Any], *, lead: bool) -> dict[str, Any]:
+    """A member's record in a round's final list, which every agent reads: the first member's
+    whole (its coordinator's port, the job's identity), the others' address, processes and host
+    name only (100 bytes rather than 250: at 1,024 hosts the list every agent reads is 100 KB)."""
+    return record if lead else {k: record[k] for k in ("addr", "nproc", "host")}
 
 
 def _quorum_message(here: int, of: int, moved: bool) -> str:

@@ -51,14 +51,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import builtins
+import hashlib
 import hmac
 import json
 import math
 import os
+import queue
 import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -189,6 +192,9 @@ class _Store:
         self._own = own_job
         self._bytes = 0
         self._lock = threading.Lock()
+        self._touched: list[str] = []  # keys written since the last notice (under the lock)
+        self.on_change: Callable[[list[str]], None] | None = None
+        """Told the keys each call wrote, after it (``serve`` wakes the calls that watch them)."""
 
     def _check_room(self, job: str, new_key: bool, grows: int) -> None:
         keys, size = self._jobs.get(job, (0, 0))
@@ -229,6 +235,8 @@ class _Store:
             self._check_room(job, old is None, grows)
         if old is None:
             bisect.insort(self._keys, key)
+        if old is None or old[3] != encoded:  # a heartbeat's same value wakes no one
+            self._touched.append(key)
         self._data[key] = (value, now, size, encoded)
         usage = self._jobs.setdefault(job, [0, 0])
         usage[0] += old is None
@@ -237,6 +245,7 @@ class _Store:
 
     def _remove(self, key: str) -> None:
         size = self._data.pop(key)[2]
+        self._touched.append(key)
         del self._keys[bisect.bisect_left(self._keys, key)]
         job = _job_of(key)
         usage = self._jobs[job]
@@ -247,14 +256,32 @@ class _Store:
             del self._jobs[job]  # its place among MAX_JOBS is free again
 
     def handle(self, method: str, req: dict) -> Any:
-        """The reply to one call, as a value."""
-        with self._lock:
-            return _loads(self._reply(method, req, time.monotonic()))
+        """The reply to one call, as a value (for this process's own reads: the store encoded it,
+        so it is parsed as plain JSON)."""
+        return json.loads(self.reply(method, req))
 
     def reply(self, method: str, req: dict) -> bytes:
         """The reply to one call, encoded (values are sent as they were encoded when set)."""
+        try:
+            with self._lock:
+                return self._reply(method, req, time.monotonic())
+        finally:
+            if self._touched:
+                touched, self._touched = self._touched, []
+                if self.on_change is not None:
+                    self.on_change(touched)
+
+    def digest(self, watched: list[str]) -> str:
+        """What the values of ``watched`` (keys, and prefixes ending in ``/``: every key under
+        them) are now, as a short hash: a watching call is answered once it changes."""
+        h = hashlib.blake2b(digest_size=12)
         with self._lock:
-            return self._reply(method, req, time.monotonic())
+            for w in watched:
+                for key in self._under(w) if w.endswith("/") else (w,):
+                    item = self._data.get(key)
+                    h.update(b"%d:%s=%s;" % (len(key), key.encode(),
+                                             b"\0" if item is None else item[3]))
+        return h.hexdigest()
 
     def _reply(self, method: str, req: dict, now: float) -> bytes:
         if method == "get":
@@ -353,6 +380,8 @@ async def _shut(server: Any, grace: float | None) -> None:
     their message), so that none is destroyed pending (asyncio's and gRPC's error lines)."""
     await server.stop(grace)
     left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if left:  # gRPC ends its calls' tasks itself (cancelled under it, each says so in an E line)
+        _, left = await asyncio.wait(left, timeout=1.0)
     for task in left:
         task.cancel()
     await asyncio.gather(*left, return_exceptions=True)
@@ -408,6 +437,211 @@ class _Waiting:
             del self.by_host[host]
 
 
+class _Count:
+    """Something each peer host may hold only so many of (sessions), and all hosts together."""
+
+    def __init__(self, what: str, per_peer: Callable[[], int], total: int):
+        self.what, self.per_peer, self.limit = what, per_peer, total
+        self.by_host: dict[str, int] = {}
+        self.total = 0
+
+    def enter(self, host: str) -> str | None:
+        if self.by_host.get(host, 0) >= self.per_peer():
+            return f"{host} has {self.per_peer()} {self.what} open; close some"
+        if self.total >= self.limit:
+            return f"{self.total} {self.what} are open, the store's most; retry later"
+        self.by_host[host] = self.by_host.get(host, 0) + 1
+        self.total += 1
+        return None
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        left = self.by_host[host] - 1
+        if left:
+            self.by_host[host] = left
+        else:
+            del self.by_host[host]
+
+
+MAX_HOLD_S = 30.0
+"""The longest a watching call is held (the agents hold theirs for one heartbeat's time)."""
+MAX_HOLDING_PER_PEER = 64
+"""Watching calls one peer host may have held at once (an agent holds one); past it, or past
+``MAX_HOLDING``, a watching call is answered at once, as a plain batch is."""
+MAX_HOLDING = 16384
+"""Watching calls held at once, all peers together (one per agent: room for 10,000 hosts)."""
+
+
+def _watch_of(req: dict) -> tuple[list[str], str | None, float]:
+    """A batch's ``watch``, checked: the keys and prefixes watched, the digest the caller last
+    saw, the seconds it may be held."""
+    watch = req["watch"]
+    if not isinstance(watch, dict):
+        raise ValueError("watch is an object: {on: [keys or prefixes], seen, s}")
+    on, seen, within = watch.get("on"), watch.get("seen"), watch.get("s")
+    if not (isinstance(on, list) and len(on) <= MAX_BATCH and all(
+            isinstance(w, str) and len(w) <= MAX_KEY_CHARS for w in on)):
+        raise ValueError(f"watch.on is a list of at most {MAX_BATCH} keys or prefixes")
+    for w in on:
+        _job_of(w)
+    if not (seen is None or (isinstance(seen, str) and len(seen) <= 64)):
+        raise ValueError("watch.seen is null or the digest a reply gave")
+    if isinstance(within, bool) or not isinstance(within, (int, float)) or within < 0:
+        raise ValueError("watch.s is a number of seconds")
+    return on, seen, min(float(within), MAX_HOLD_S)
+
+
+class _Watchers:
+    """Calls held until a key they watch changes (on the store's event loop only)."""
+
+    def __init__(self):
+        self.by_key: dict[str, set[asyncio.Future]] = {}
+        self.held = _Count("held calls", lambda: MAX_HOLDING_PER_PEER, MAX_HOLDING)
+
+    def wake(self, keys: list[str]) -> None:
+        """Releases the calls watching any of ``keys`` or a prefix of one (at each ``/``)."""
+        for key in keys:
+            cut = 0
+            while True:
+                cut = key.find("/", cut) + 1
+                watched = key[:cut] if cut else key
+                for fut in self.by_key.pop(watched, ()):
+                    if not fut.done():
+                        fut.set_result(None)
+                if not cut:
+                    break
+
+    async def hold(self, store: _Store, host: str, req: dict) -> bytes:
+        """Answers a watching batch: at once when what it watches differs from what the caller
+        last saw (or the holds are at their bounds), else when it changes or after ``s``
+        seconds. The batch runs when the call arrives (its heartbeat is stamped then) and again
+        when it is answered: ``{"replies": [...], "seen": digest}``."""
+        on, seen, within = _watch_of(req)
+        reply = store.reply("batch", req)
+        if self.held.enter(host) is not None:  # at its bounds: answered as a plain batch
+            return b'{"replies":%s,"seen":null}' % reply
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        try:
+            while True:
+                fut = loop.create_future()
+                for w in on:  # watched first, then read: a change in between wakes it
+                    self.by_key.setdefault(w, set()).add(fut)
+                try:
+                    now = store.digest(on)
+                    if now != seen or loop.time() >= end:
+                        break
+                    try:
+                        async with asyncio.timeout_at(end):
+                            await fut
+                    except TimeoutError:
+                        pass
+                finally:
+                    for w in on:
+                        waiting = self.by_key.get(w)
+                        if waiting is not None:
+                            waiting.discard(fut)
+                            if not waiting:
+                                del self.by_key[w]
+        finally:
+            self.held.leave(host)
+        if seen is not None:  # held: read again (and stamp the heartbeat again)
+            reply = store.reply("batch", req)
+        return b'{"replies":%s,"seen":"%s"}' % (reply, now.encode())
+
+
+MAX_SESSIONS_PER_PEER = 64
+"""Sessions one peer host may have open at once (an agent opens one per thread: two or three)."""
+MAX_SESSIONS = 16384
+"""Sessions open at once, all peers together (room for 10,000 hosts' agents' main threads)."""
+SESSION_IDLE_S = 60.0
+"""A session that sends no complete message for this long is ended (an agent's main thread sends
+one at least every third of the host timeout; a client opens a new session when it needs one)."""
+
+
+class _Service:
+    """The store's gRPC methods: one call per request (``set``, ``get``, ... ``batch``), and
+    ``session``, a stream of requests each answered in turn (an agent's calls over one stream:
+    a message costs the store about a third of a call's time)."""
+
+    def __init__(self, store: _Store, secret: bytes | None):
+        self.store, self.secret = store, secret
+        self.waiting = _Waiting()
+        self.watchers = _Watchers()
+        self.sessions = _Count("sessions", lambda: MAX_SESSIONS_PER_PEER, MAX_SESSIONS)
+
+    async def _admit(self, context) -> str:
+        """The caller's host, once its token is checked (before any message is read: a caller
+        without it holds nothing)."""
+        if self.secret is not None and not _token_ok(context.invocation_metadata(), self.secret):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing "
+                                f"rendezvous token (set {ENV_TOKEN} alike on every host)")
+        return _peer_host(context.peer())
+
+    async def _answer(self, context, method: str | None, request: Any, host: str) -> bytes:
+        """The reply to one request (a session's names its method: ``{"m": ...}``); a bad one
+        aborts the call (or the session) with what is wrong."""
+        if not isinstance(request, bytes):  # grpc.aio.EOF: the caller sent no message
+            request = b""
+        try:  # a reply is encoded as strictly as a request is read
+            req = _decode(request)
+            if method is None:
+                method = req.pop("m", None)
+                if method not in _METHODS:
+                    raise ValueError(f"a session's message names its method: m is one of "
+                                     f"{', '.join(_METHODS)}")
+            if method == "batch" and "watch" in req:
+                return await self.watchers.hold(self.store, host, req)
+            return self.store.reply(method, req)
+        except OverflowError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (ValueError, KeyError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RecursionError:  # JSON nested past the interpreter's limit
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is "
+                                "nested too deeply")
+        raise AssertionError("unreachable: context.abort raises")
+
+    def unary(self, method: str):
+        async def call(requests, context) -> bytes:
+            host = await self._admit(context)
+            refused = self.waiting.enter(host)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            try:
+                async with asyncio.timeout(MESSAGE_DEADLINE_S):
+                    request = await context.read()
+            except TimeoutError:
+                self.waiting.cut += 1
+                await context.abort(grpc.StatusCode.CANCELLED, f"the request's message did not "
+                                    f"arrive within {MESSAGE_DEADLINE_S:g} s of its call")
+            finally:
+                self.waiting.leave(host)
+            return await self._answer(context, method, request, host)
+        return call
+
+    async def session(self, requests, context):
+        host = await self._admit(context)
+        refused = self.sessions.enter(host)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(SESSION_IDLE_S):
+                        request = await context.read()
+                except asyncio.CancelledError:  # the caller went away, or the store stops
+                    return
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.CANCELLED, f"no message for "
+                                        f"{SESSION_IDLE_S:g} s: the session ends")
+                if request is grpc.aio.EOF:
+                    return
+                await context.write(await self._answer(context, None, request, host))
+        finally:
+            self.sessions.leave(host)
+
+
 def _peer_host(peer: str | None) -> str:
     """``ipv4:10.0.0.1:5555`` -> ``ipv4:10.0.0.1`` (every connection of one host alike)."""
     return (peer or "unknown").rsplit(":", 1)[0]
@@ -443,44 +677,13 @@ def serve(address: str, *, token: str | None = None,
     store = _Store(own_job)
     token = token if token is not None else os.environ.get(ENV_TOKEN)
     secret = token.encode() if token else None
-    waiting = _Waiting()
-
-    def handler(method):
-        async def call(requests, context) -> bytes:
-            # The token is checked before the message is read: a caller without it holds nothing.
-            if secret is not None and not _token_ok(context.invocation_metadata(), secret):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"wrong or missing "
-                                    f"rendezvous token (set {ENV_TOKEN} alike on every host)")
-            host = _peer_host(context.peer())
-            refused = waiting.enter(host)
-            if refused is not None:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-            try:
-                request = await asyncio.wait_for(context.read(), MESSAGE_DEADLINE_S)
-            except asyncio.TimeoutError:
-                waiting.cut += 1
-                await context.abort(grpc.StatusCode.CANCELLED, f"the request's message did not "
-                                    f"arrive within {MESSAGE_DEADLINE_S:g} s of its call")
-            finally:
-                waiting.leave(host)
-            if not isinstance(request, bytes):  # grpc.aio.EOF: the caller sent no message
-                request = b""
-            try:  # a reply is encoded as strictly as a request is read
-                return store.reply(method, _decode(request))
-            except OverflowError as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except (ValueError, KeyError, TypeError) as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RecursionError:  # JSON nested past the interpreter's limit
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a rendezvous message is "
-                                    "nested too deeply")
-            raise AssertionError("unreachable: context.abort raises")
-        return grpc.stream_unary_rpc_method_handler(call)
+    service = _Service(store, secret)
 
     async def start() -> tuple[Any, int]:
         server = grpc.aio.server(
-            handlers=[grpc.method_handlers_generic_handler(
-                _SERVICE, {m: handler(m) for m in _METHODS})],
+            handlers=[grpc.method_handlers_generic_handler(_SERVICE, {
+                **{m: grpc.stream_unary_rpc_method_handler(service.unary(m)) for m in _METHODS},
+                "session": grpc.stream_stream_rpc_method_handler(service.session)})],
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                      ("grpc.max_concurrent_streams", MAX_STREAMS),
@@ -494,11 +697,16 @@ def serve(address: str, *, token: str | None = None,
         return server, port
 
     loop = asyncio.new_event_loop()
+
+    def changed(keys: list[str]) -> None:  # from the loop's calls and the closer's thread alike
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(service.watchers.wake, keys)
+    store.on_change = changed
     thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True, name="rdzv-store")
     thread.start()
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
     stoppable = StoreServer(server, loop, thread, store, address)
-    stoppable.waiting = waiting  # type: ignore[attr-defined]  # for tests
+    stoppable.service = service  # type: ignore[attr-defined]  # for tests
     if port == 0:
         stoppable.stop(0)
         return None
@@ -563,17 +771,45 @@ class RendezvousClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.max_receive_message_length", MAX_REPLY_BYTES)])
         self._stubs: dict[str, Any] = {}
+        self._local = threading.local()  # each thread's session
+        self._sessions: builtins.list[_Session] | None = []  # None: the store has none (older)
+        self._sessions_lock = threading.Lock()
 
-    def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
+    def _session(self) -> _Session | None:
+        """This thread's session with the store (opened on first use), or None for a store
+        without sessions (one calls per request then)."""
+        session = getattr(self._local, "session", None)
+        if session is None or session.broken:
+            with self._sessions_lock:
+                if self._sessions is None:
+                    return None
+                session = _Session(self._channel, self._metadata)
+                self._sessions = [s for s in self._sessions if not s.broken] + [session]
+            self._local.session = session
+        return session
+
+    def _send(self, method: str, request: bytes, req: dict, timeout_s: float) -> bytes:
+        """One request, over this thread's session or as a call of its own."""
+        session = self._session()
+        if session is not None:
+            try:
+                return session.ask(_dumps({"m": method, **req}), timeout_s)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                with self._sessions_lock:  # a store of an older jaxdist: calls, from now on
+                    self._sessions = None
         if method not in self._stubs:
             self._stubs[method] = self._channel.stream_unary(f"/{_SERVICE}/{method}")
+        return self._stubs[method](iter((request,)), timeout=timeout_s, wait_for_ready=True,
+                                   metadata=self._metadata)
+
+    def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
         request = _dumps(req)  # ValueError for a value the store would refuse
         end = time.monotonic() + (timeout_s or self._timeout)
         while True:
             try:
-                reply = self._stubs[method](iter((request,)),
-                                            timeout=max(0.01, end - time.monotonic()),
-                                            wait_for_ready=True, metadata=self._metadata)
+                reply = self._send(method, request, req, max(0.01, end - time.monotonic()))
                 break
             except grpc.RpcError as e:
                 # A store busy refusing a flood of stalled calls, or one that cut this call as
@@ -634,11 +870,46 @@ class RendezvousClient:
         >>> server.stop(0)
         True
         """
+        return self._unpack(calls, self._call("batch", ops=self._ops(calls)))
+
+    def watch(self, *calls: tuple[str, dict], on: builtins.list[str], seen: str | None,
+              within_s: float) -> tuple[builtins.list[Any], str | None]:
+        """A ``batch`` the store holds until a key of ``on`` (or one under a prefix of it, ending
+        in ``/``) changes from what the reply that gave ``seen`` showed, or for ``within_s``
+        seconds: a wait that costs one call, answered as soon as the change is written.
+
+        Returns:
+          The replies, as ``batch`` returns them (read when the call is answered; its writes
+          are made when it arrives and again then), and the digest to pass as ``seen`` next
+          time. ``seen=None`` is answered at once. The digest is None from a store that holds
+          no calls (a LocalClient, or one past its bounds on held calls): poll then.
+
+        >>> server, port = serve("127.0.0.1:0")
+        >>> client = RendezvousClient(f"127.0.0.1:{port}", "job")
+        >>> client.set("open", 0)
+        >>> (opened,), seen = client.watch(("get", {"key": "open"}), on=["open"], seen=None,
+        ...                                within_s=5)
+        >>> _ = threading.Timer(0.2, lambda: server.client("job").set("open", 1)).start()
+        >>> t = time.monotonic(); client.watch(("get", {"key": "open"}), on=["open"],
+        ...                                     seen=seen, within_s=5)[0], time.monotonic() - t < 4
+        ([1], True)
+        >>> server.stop(0)
+        True
+        """
+        watch = {"on": [self._prefix + w for w in on], "seen": seen, "s": within_s}
+        reply = self._call("batch", within_s + self._timeout, ops=self._ops(calls), watch=watch)
+        if isinstance(reply, list):  # a store that held nothing
+            return self._unpack(calls, reply), None
+        return self._unpack(calls, reply["replies"]), reply["seen"]
+
+    def _ops(self, calls: tuple[tuple[str, dict], ...]) -> builtins.list[list]:
         if len(calls) > MAX_BATCH:
             raise ValueError(f"{len(calls)} calls in one batch; at most {MAX_BATCH}")
-        ops = [[method, {f: self._prefix + v if f in ("key", "prefix") else v
-                         for f, v in req.items()}] for method, req in calls]
-        replies = self._call("batch", ops=ops)
+        return [[method, {f: self._prefix + v if f in ("key", "prefix") else v
+                          for f, v in req.items()}] for method, req in calls]
+
+    def _unpack(self, calls: tuple[tuple[str, dict], ...], replies: builtins.list) \
+            -> builtins.list[Any]:
         return [{k[len(self._prefix + req["prefix"]):]: (v, age) for k, (v, age) in r.items()}
                 if method == "list" else r for (method, req), r in zip(calls, replies)]
 
@@ -662,8 +933,69 @@ class RendezvousClient:
         return self._call("delete_prefix", prefix=self._prefix + prefix)
 
     def close(self) -> None:
-        """Closes the channel."""
+        """Ends the sessions and closes the channel."""
+        with self._sessions_lock:
+            for session in self._sessions or ():
+                session.close()
+            self._sessions = []
         self._channel.close()
+
+
+class _Session:
+    """A stream of requests to the store, each answered in turn (``_Service.session``); broken
+    by any error (the client then opens another)."""
+
+    def __init__(self, channel: Any, metadata: Any):
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._call = channel.stream_stream(f"/{_SERVICE}/session")(
+            iter(self._out.get, None), metadata=metadata, wait_for_ready=True)
+        self.broken = False
+
+    def ask(self, request: bytes, timeout_s: float) -> bytes:
+        """The reply to ``request``; grpc.RpcError as a call would raise it (DEADLINE_EXCEEDED
+        when no reply came within ``timeout_s``)."""
+        late = threading.Event()
+
+        def cut():
+            late.set()
+            self._call.cancel()
+        timer = threading.Timer(timeout_s, cut)
+        timer.daemon = True
+        try:
+            self._out.put(request)
+            timer.start()
+            return next(self._call)
+        except StopIteration:  # the store ended the session (it stopped)
+            self.broken = True
+            raise _SessionError(grpc.StatusCode.UNAVAILABLE, "the store ended the session") \
+                from None
+        except grpc.RpcError:
+            self.broken = True
+            if late.is_set():
+                raise _SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no reply within {timeout_s:.3g} s") from None
+            raise
+        finally:
+            timer.cancel()
+
+    def close(self) -> None:
+        self.broken = True
+        self._out.put(None)  # ends the stream's request iterator (and gRPC's thread reading it)
+        self._call.cancel()
+
+
+class _SessionError(grpc.RpcError):
+    """An error of a session, shaped as gRPC's call errors are (``code()``, ``details()``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 class LocalClient(RendezvousClient):
