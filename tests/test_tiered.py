@@ -3,6 +3,7 @@ copy and says why in one line, a stop saves and waits for both tiers, a finished
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -32,6 +33,16 @@ def _train(ckpt, steps, start=0):
 
 def _like():
     return {"w": jnp.zeros(2)}
+
+
+def _jobs(tmp_path):
+    """The job identity the backup folder records and the one beside the memory copy."""
+    def read(path):
+        try:
+            return json.loads(path.read_text()).get("job")
+        except FileNotFoundError:
+            return None
+    return read(tmp_path / "backup" / ".jaxdist-job.json"), read(tmp_path / "state" / "owner.json")
 
 
 def test_each_tier_saves_by_its_own_policy(tmp_path):
@@ -142,3 +153,80 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"TieredCheckpointManager\('.'\).*is the working "
                                          "directory; a backup needs a folder of its own"):
         TieredCheckpointManager(".")
+
+
+def test_a_failed_runs_rerun_resumes_from_memory_even_before_its_first_backup(tmp_path):
+    # before: the backup folder recorded no identity of the job (only the memory tier's owner
+    # record named the folder's path); the resumes themselves were the same
+    with _manager(tmp_path, every_n_steps=100) as ckpt:
+        assert ckpt.restore_latest(_like()) is None  # a fresh start: a new identity
+        _train(ckpt, 3)  # fails after step 3, before its first backup
+    folder, memory = _jobs(tmp_path)
+    assert folder is not None and memory == folder, (folder, memory)
+    for fails_at in (5, 6):  # a rerun resumes from memory, and so does the rerun of the rerun
+        with _manager(tmp_path, every_n_steps=100) as ckpt:
+            r = ckpt.restore_latest(_like())
+            assert (r.source, r.state["w"].tolist()) == ("memory", [r.step] * 2)
+            _train(ckpt, fails_at - r.step, start=r.step)
+        assert r.step == {5: 3, 6: 5}[fails_at]
+        assert _jobs(tmp_path) == (folder, folder)  # a resumed run keeps the job's identity
+
+
+def test_a_memory_copy_whose_backup_folder_was_removed_is_not_resumed(tmp_path, caplog):
+    # before: the run after `rm -rf backup` said "restored step 3 from memory" and trained on
+    # from the removed run's state: only the folder's path (the same) was compared
+    with _manager(tmp_path, every_n_steps=2) as ckpt:
+        ckpt.restore_latest(_like())
+        _train(ckpt, 3)  # fails: memory 3, backup 2
+    shutil.rmtree(tmp_path / "backup")  # starting over
+    caplog.set_level(logging.WARNING, logger="jaxdist.checkpoint")
+    with _manager(tmp_path, every_n_steps=2) as ckpt:
+        assert ckpt.restore_latest(_like()) is None
+        assert not ckpt.memory.enabled  # off for this run: the kept copy is not overwritten
+        _train(ckpt, 4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"the in-memory state in {tmp_path / 'state'} belongs to an "
+                                  "earlier run"), warnings[0]
+    assert "which now holds no job identity (removed, or a fresh folder)" in warnings[0]
+    assert "Unset JAXDIST_STATE_DIR to start afresh, or remove" in warnings[0]
+    assert InMemoryTier(str(tmp_path / "state"), rank=0).newest_local()[0] == 3  # left intact
+    folder, memory = _jobs(tmp_path)
+    assert folder is not None and memory not in (None, folder)  # the new run is another job
+
+
+def test_a_memory_copy_of_a_run_before_another_training_in_the_folder_is_not_resumed(tmp_path,
+                                                                                     caplog):
+    # before: the third run resumed from memory at step 5, the first training's state, over the
+    # second training's backup at step 2 in the same folder
+    with _manager(tmp_path, every_n_steps=2) as ckpt:
+        ckpt.restore_latest(_like())
+        _train(ckpt, 5)  # fails: memory 5, backup 4
+    shutil.rmtree(tmp_path / "backup")
+    with _manager(tmp_path, every_n_steps=2, memory_tier=MemoryTierPolicy(enabled=False)) as ckpt:
+        assert ckpt.restore_latest(_like()) is None  # another training (no memory tier)
+        _train(ckpt, 3)  # fails: backup 2
+    caplog.set_level(logging.INFO, logger="jaxdist.checkpoint")
+    with _manager(tmp_path, every_n_steps=2) as ckpt:
+        r = ckpt.restore_latest(_like())
+    assert (r.step, r.source, r.state["w"].tolist()) == (2, "backup", [2.0, 2.0])
+    assert "which now holds another run's identity (a training started there since)" in \
+        caplog.text
+    assert InMemoryTier(str(tmp_path / "state"), rank=0).newest_local()[0] == 5  # left intact
+
+
+def test_an_owner_record_without_an_identity_is_compared_by_its_folder_as_before(tmp_path):
+    # before (the resume itself was the same): the run recorded no identity, so a later run could
+    # not tell this job's copy from a copy whose backup folder was removed since
+    with _manager(tmp_path, every_n_steps=100) as ckpt:
+        ckpt.restore_latest(_like())
+        _train(ckpt, 3)
+    owner = tmp_path / "state" / "owner.json"  # what an older version left: no identity
+    owner.write_text(json.dumps({"owner": json.loads(owner.read_text())["owner"]}))
+    (tmp_path / "backup" / ".jaxdist-job.json").unlink(missing_ok=True)
+    with _manager(tmp_path, every_n_steps=100) as ckpt:
+        r = ckpt.restore_latest(_like())
+        assert (r.step, r.source) == (3, "memory")  # the same folder: resumed, as before
+        _train(ckpt, 1, start=3)
+    folder, memory = _jobs(tmp_path)
+    assert folder is not None and memory == folder, (folder, memory)  # recorded from now on

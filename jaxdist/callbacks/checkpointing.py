@@ -207,9 +207,13 @@ class BackupAndRestore(Callback):
     background, and a restarted job resumes from the newest step the job's processes hold (put
     together over the network when hosts changed), so a failure costs at most the few steps the
     tier announces; the backups in ``directory`` are used when they are newer or the memory tier is
-    gone. On a preemption notice (SIGTERM; agreed across processes), or a stop the elastic agents
-    agreed on, the tier and a backup are written at the next step boundary, made durable, and
-    ``TrainingPreempted`` ends the process cleanly.
+    gone. A memory copy is resumed only by a run of the job that made it: a run starting from
+    nothing records a new identity in ``directory`` (``.jaxdist-job.json``, removed with the
+    backups) and beside its copies, so that a kept ``JAXDIST_STATE_DIR`` is not resumed once
+    ``directory`` was removed or another training started there (one warning; the tier is off for
+    that run, leaving the copy intact). On a preemption notice (SIGTERM; agreed across processes),
+    or a stop the elastic agents agreed on, the tier and a backup are written at the next step
+    boundary, made durable, and ``TrainingPreempted`` ends the process cleanly.
 
     A thin callback over :class:`jaxdist.checkpoint.TieredCheckpointManager` (``tiered``): every
     choice between the two tiers is that manager's, and a custom loop gets the same by calling it
@@ -222,7 +226,7 @@ class BackupAndRestore(Callback):
         that running the same script again trains again; ``False`` keeps them (a rerun then
         restores the final state and says there is nothing left to train). Only what the
         callback wrote is removed (its step folders, Orbax's temporary folders, its marker
-        files); the folder itself goes only when nothing else is left in it.
+        files, the job's identity); the folder itself goes only when nothing else is left in it.
       delete_on_success: the older name of ``delete_checkpoint`` (it wins when given).
       preemption_exit_code: exit status after a preemption save.
       memory_tier: how often the in-memory tier copies (``jaxdist.checkpoint.MemoryTierPolicy``:

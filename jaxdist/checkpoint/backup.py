@@ -1,5 +1,6 @@
-"""What a run does with its backup folder: refuse a folder that holds the user's work, wait for the
-saves in flight at the end, and remove what it wrote when it completes.
+"""What a run does with its backup folder: refuse a folder that holds the user's work, record the
+job's identity there, wait for the saves in flight at the end, and remove what it wrote when it
+completes.
 
 ``TieredCheckpointManager`` (and through it ``BackupAndRestore``) uses these; ``ModelCheckpoint``
 waits for its saves with :func:`finish_saves` too.
@@ -8,6 +9,7 @@ waits for its saves with :func:`finish_saves` too.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -24,6 +26,45 @@ logger = logging.getLogger(__name__)
 
 FINISH_S = 120.0
 """How long an ending run waits for a save in flight (its peers may be gone)."""
+
+JOB_FILE = ".jaxdist-job.json"
+"""The job's identity in its backup folder (``{"job": token}``): the in-memory tier's copy is
+resumed only by a run whose folder holds the token recorded beside that copy."""
+
+
+def read_job(directory: str | os.PathLike) -> str | None:
+    """The job identity recorded in the backup folder ``directory``, or None (none recorded, or
+    unreadable: either way no memory copy is provably this folder's).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); write_job(d, "3f2a"); read_job(d)
+    '3f2a'
+    """
+    try:
+        with open(os.path.join(os.fspath(directory), JOB_FILE), "rb") as f:
+            job = json.loads(f.read())["job"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return job if isinstance(job, str) else None
+
+
+def write_job(directory: str | os.PathLike, job: str) -> None:
+    """Records ``job`` as the identity of the job backing up to ``directory`` (process 0, before
+    the first step, so that a job failing before its first backup has it too). A folder that
+    cannot be written is one warning: its memory copies are then not resumed, nothing else."""
+    path = os.path.join(os.fspath(directory), JOB_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.fspath(directory), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump({"job": job}, f)
+        os.replace(tmp, path)  # atomic: a reader never sees half a token
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        logger.warning("could not record the job's identity in %s (%s): a restart resumes from "
+                       "the backup, not from the in-memory copy; make the folder writable",
+                       directory, e.strerror or e)
 
 
 def refuse_shared_folder(directory: str | os.PathLike, who: str = "BackupAndRestore") -> None:
@@ -65,10 +106,10 @@ def remove_backup(manager: CheckpointManager, ours: Collection, *,
     """Removes what a backup's writer wrote to ``manager.directory``, and nothing else.
 
     Removed: complete step folders whose metadata names ``writer`` as their writer or whose step
-    is in ``ours`` (saved or restored by this run), Orbax's temporary folders, the owner lock and
-    the final-step marker. Anything else (the user's files, a step another callback wrote, a
-    damaged step moved aside) stays, and so does the folder then, in one log line naming what is
-    left.
+    is in ``ours`` (saved or restored by this run), Orbax's temporary folders, the owner lock, the
+    job's identity (:data:`JOB_FILE`) and the final-step marker. Anything else (the user's files,
+    a step another callback wrote, a damaged step moved aside) stays, and so does the folder then,
+    in one log line naming what is left.
 
     Every process calls it, with the same ``ours``: reading a step's metadata is a collective in
     Orbax (a barrier after each read), so process 0 alone would wait there for ever; process 0
@@ -91,7 +132,7 @@ def remove_backup(manager: CheckpointManager, ours: Collection, *,
     for name in names:
         if ".orbax-checkpoint-tmp" in name:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        elif name in (OWNER_FILE, FINAL_MARKER):
+        elif name in (OWNER_FILE, FINAL_MARKER, JOB_FILE):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
     left = sorted(os.listdir(directory)) if os.path.isdir(directory) else []

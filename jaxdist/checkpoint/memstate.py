@@ -199,10 +199,13 @@ class InMemoryTier:
         self._writes_replicated = _writes_replicated()
         self.last_written: int | None = None
         self.skipped = 0
-        # The job these snapshots belong to (BackupAndRestore's folder); written beside them at
-        # the first save and checked before a resume, so that a kept state directory left set
-        # for another training is refused rather than resumed from.
+        # The job these snapshots belong to: BackupAndRestore's folder, and the identity that
+        # folder records (a token, ``backup.JOB_FILE``; None: it records none). Written beside
+        # them at the first save and checked before a resume, so that a kept state directory
+        # left set for another training, or for a rerun whose folder was removed or reused since,
+        # is refused rather than resumed from. No owner: neither is checked.
         self.owner: str | None = None
+        self.job: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -378,9 +381,9 @@ class InMemoryTier:
                       "directory with room")
             return False
         self._bytes = need
-        if self.owner is not None and not os.path.exists(_owner_path(self.directory)):
-            try:
-                write_atomic(_owner_path(self.directory), json.dumps({"owner": self.owner}).encode())
+        if self.owner is not None and _read_owner(self.directory) != self._owner_record():
+            try:  # the slots are this job's from now on (an older record gains the identity)
+                write_atomic(_owner_path(self.directory), json.dumps(self._owner_record()).encode())
             except OSError:
                 pass  # a full directory: the slots' own writes will say so
         if self._overlap is None:
@@ -637,23 +640,35 @@ class InMemoryTier:
         source = jax.process_index() if how == "its own host" else -1
         return Snapshot(step, state, data, source)
 
+    def _owner_record(self) -> dict:
+        """What ``owner.json`` says of this job's snapshots."""
+        return {"owner": self.owner} | ({} if self.job is None else {"job": self.job})
+
+    def _not_ours(self) -> str | None:
+        """Why the snapshots here are not this job's (one line naming the fix), or None."""
+        theirs = _read_owner(self.directory)
+        if self.owner is None or theirs is None:
+            return None  # nothing checked, nothing saved yet (or by a version without owners)
+        folder = theirs.get("owner", "(unreadable)")
+        if folder != self.owner:
+            return (f"the in-memory state in {self.directory} belongs to another job (backed up "
+                    f"to {folder}; this one backs up to {self.owner}): not resumed from it, and "
+                    "the tier is off for this run so that it stays intact. Unset "
+                    f"{ENV_STATE_DIR}, or set it to this job's kept state")
+        if "job" not in theirs or theirs["job"] == self.job:
+            return None  # this job's (a record without an identity: an older version's, as before)
+        now = ("holds no job identity (removed, or a fresh folder)" if self.job is None
+               else "holds another run's identity (a training started there since)")
+        return (f"the in-memory state in {self.directory} belongs to an earlier run that backed "
+                f"up to {folder}, which now {now}: not resumed from it, and the tier is off for "
+                f"this run so that it stays intact. Unset {ENV_STATE_DIR} to start afresh, or "
+                f"remove {self.directory} if that run's state is not needed")
+
     def _refuses(self) -> bool:
-        """Whether (after one warning line) the snapshots belong to another job; every process
-        learns whether any refuses (a collective), so that all of them resume alike."""
-        why = None
-        if self.owner is not None:
-            try:
-                with open(_owner_path(self.directory), "rb") as f:
-                    theirs = json.loads(f.read())["owner"]
-            except FileNotFoundError:
-                theirs = self.owner  # nothing saved yet (or by a version without owners)
-            except (OSError, ValueError, KeyError, TypeError):
-                theirs = "(unreadable)"
-            if theirs != self.owner:
-                why = (f"the in-memory state in {self.directory} belongs to another job (backed up "
-                       f"to {theirs}; this one backs up to {self.owner}): not resumed from it, and "
-                       "the tier is off for this run so that it stays intact. Unset "
-                       "JAXDIST_STATE_DIR, or set it to this job's kept state")
+        """Whether (after one warning line) the snapshots belong to another job, or to an earlier
+        run of this one whose backup folder was removed or reused since; every process learns
+        whether any refuses (a collective), so that all of them resume alike."""
+        why = self._not_ours()
         refused = any(_assemble.allgather_json(why is not None)) if jax.process_count() > 1 \
             else why is not None
         if why is not None:
@@ -710,6 +725,19 @@ class InMemoryTier:
 
 def _owner_path(directory: str) -> str:
     return os.path.join(directory, "owner.json")
+
+
+def _read_owner(directory: str) -> dict | None:
+    """``owner.json``'s record (``{"owner": folder, "job": token}``; older versions wrote no
+    ``job``), None when there is none, ``{}`` when it is unreadable."""
+    try:
+        with open(_owner_path(directory), "rb") as f:
+            record = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _write_threads(host_is_device: bool) -> int:

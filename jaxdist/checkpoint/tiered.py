@@ -11,7 +11,11 @@ custom loop (which calls it directly) get the same:
   cadence, :class:`~jaxdist.checkpoint.MemoryTierPolicy`; the backup's
   :class:`~jaxdist.checkpoint.save_policy.SavePolicy`, by default every N steps and at epoch ends);
 * ``restore_latest`` at the start: the newer of the memory copy and the backup, said in one log
-  line with the reason;
+  line with the reason. The memory copy counts only when it is this job's: a run that starts
+  from nothing records a new identity (a random token) in the backup folder, a resumed run keeps
+  the folder's, and the memory tier records it beside its snapshots; a copy whose identity the
+  folder does not hold (the folder was removed, or another training started there since) is
+  not resumed, and the tier is off for that run so that the copy stays intact;
 * ``should_stop`` after each step: a preemption notice (SIGTERM) or the stop step the elastic
   launcher's agents agreed on; ``stop`` then saves that step in both tiers and waits until both
   are written, so the process may exit having lost nothing;
@@ -31,12 +35,20 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
-from jaxdist.checkpoint.backup import finish_saves, refuse_shared_folder, remove_backup
+from jaxdist.checkpoint._assemble import allgather_json
+from jaxdist.checkpoint.backup import (
+    finish_saves,
+    read_job,
+    refuse_shared_folder,
+    remove_backup,
+    write_job,
+)
 from jaxdist.checkpoint.evaluator import mark_final
 from jaxdist.checkpoint.manager import CheckpointManager
 from jaxdist.checkpoint.memstate import InMemoryTier
@@ -238,6 +250,8 @@ class TieredCheckpointManager:
         """
         self._notice.install()
         self.saved, self.restored = [], None
+        recorded, fresh = self._identities()
+        self.memory.job = recorded  # the memory copy is resumed only when it records this one
         snap = self.memory.resume(target, strategy)
         disk = self.backup.latest_step()
         self.memory_step = snap.step if snap is not None else None
@@ -251,6 +265,7 @@ class TieredCheckpointManager:
                 why = f"the backup's newest intact step is {found.step if found else 'none'}"
                 restored = TieredRestored(snap.step, snap.state, snap.data_state, "memory")
             elif found is None:
+                self._adopt(fresh, recorded)  # a fresh start: a new job
                 return None
             else:
                 why = (f"newer than the in-memory tier's newest step ({snap.step})" if snap
@@ -258,6 +273,7 @@ class TieredCheckpointManager:
                        else "no in-memory tier (outside `jaxdist launch`, or switched off)")
                 restored = TieredRestored(found.step, found.state, found.metadata.get("data"),
                                           "backup")
+        self._adopt(recorded or fresh, recorded)  # a resumed job keeps its identity
         data = restored.position or {}
         logger.info("restored step %d from %s (epoch %d, batch %d): %s", restored.step,
                     restored.source, data.get("epoch", 0), data.get("position", 0), why)
@@ -266,6 +282,23 @@ class TieredCheckpointManager:
             beat.set_step(restored.step)
         self.restored = restored
         return restored
+
+    def _identities(self) -> tuple[str | None, str]:
+        """The job identity the backup folder records (None: none) and a new one, as process 0
+        has them (one collective with several processes), so that every process decides alike
+        whatever it sees of the folder."""
+        mine = [read_job(self.directory) if jax.process_index() == 0 else None,
+                secrets.token_hex(16)]
+        recorded, fresh = allgather_json(mine)[0]
+        return recorded, fresh
+
+    def _adopt(self, job: str, recorded: str | None) -> None:
+        """Makes ``job`` this run's identity: process 0 records it in the backup folder (before
+        the first step, so that a job failing before its first backup has it too; ``remove_backup``
+        removes it with the backups), the memory tier beside its snapshots at its first save."""
+        if job != recorded and jax.process_index() == 0:
+            write_job(self.directory, job)
+        self.memory.job = job
 
     # --- stopping ------------------------------------------------------------------------------
 
