@@ -359,6 +359,7 @@ class _LightHost:
     _join_calls = elastic.Agent._join_calls
     _join_watch = elastic.Agent._join_watch
     _round_calls = elastic.Agent._round_calls
+    _round_watch = elastic.Agent._round_watch
     _member_record = elastic.Agent._member_record
 
     def __init__(self, sim: LightSimulation, index: int):
@@ -487,13 +488,18 @@ class _LightHost:
         self._last_order = ids.index(self.id)
         self.base, self.started_at, self.stop_at = self.step(), time.monotonic(), None
         self.sim.started(n)
-        progress, published = _Progress(self), 0.0
-        while True:
-            await asyncio.sleep(self._watch_poll_s())
+        progress, published, seen = _Progress(self), 0.0, None
+        next_at = time.monotonic() + self._watch_poll_s()
+        while True:  # as elastic._RoundPoller, and Agent._watch_round on its news
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            hold = self._watch_poll_s()
+            next_at = time.monotonic() + hold
             publish = time.monotonic() - published > 1.0
             published = time.monotonic() if publish else published
-            failed, leaving, rejected, registered, stop_now, done, silent, *_ = \
-                await self.batch(*self._round_calls(n, progress, publish))
+            self._beaten = time.monotonic() + hold
+            (failed, leaving, rejected, registered, stop_now, done, silent, *_), seen = \
+                await self.batch(*self._round_calls(n, progress, publish), watch={
+                    "on": self._round_watch(n), "seen": seen, "s": hold})
             if done or failed:
                 return
             if any(k in ids and k != self.id for k in silent or ()):
@@ -503,10 +509,12 @@ class _LightHost:
                 stop_now = await self.call("set_if_absent", key=f"r{n}/drain",
                                            value=self.step() + max(4, math.ceil(
                                                elastic._DRAIN_LEAD_S / self.sim.step_s)))
-            if stop_now is not None:
+            if stop_now is not None:  # its process stops there (the agent sees it in 0.1 s)
                 self.stop_at = stop_now
-                if self.step() >= stop_now:
-                    return
+                while self.base + int((time.monotonic() - self.started_at)
+                                      / self.sim.step_s) < stop_now:
+                    await asyncio.sleep(0.1)
+                return
 
 
 class LightSimulation(_Harness):

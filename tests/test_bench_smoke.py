@@ -57,14 +57,17 @@ def test_cnn_pool_bench_compares_both_poolings_per_device_count():
         float(r.split("|")[4].split()[0])  # a speed-up, not a failure
 
 
-def test_rendezvous_sim_forms_a_round_and_re_forms_it_after_a_loss():
-    # in this process: 8 real agents in threads, the store in a thread (no figure, the plumbing)
+@pytest.mark.parametrize("agents", ["real", "light"])
+def test_rendezvous_sim_forms_a_round_and_re_forms_it_after_a_loss(agents):
+    # in this process: 8 real agents in threads, or 8 light hosts on an event loop (the
+    # simulator's default), the store in a thread (no figure, the plumbing)
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "rendezvous_sim", os.path.join(REPO, "benchmarks", "rendezvous_sim.py"))
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
-    out = sim.run(8, store="thread", steady_s=0.3, host_timeout_s=1.2, join=False)
-    assert out["round_sizes"] == [8, 7], out
+    out = sim.run(8, store="thread", steady_s=0.3, host_timeout_s=1.2, join=agents == "light",
+                  agents=agents)
+    assert out["round_sizes"] == ([8, 7, 8] if agents == "light" else [8, 7]), out
     assert out["keys"] > 8 and out["steady_calls_per_host_s"] > 0, out

@@ -551,3 +551,117 @@ def test_200_slow_connections_from_one_host_leave_every_honest_call_answered(kin
         for conn in slow:
             conn.close()
         server.stop(0)
+
+
+# -- issue 41, item 7: a round of 1,024 hosts (sessions, held polls) --------------------------
+
+@pytest.fixture
+def plain_store():
+    server, port = serve("127.0.0.1:0", own_job="job")
+    client = RendezvousClient(f"127.0.0.1:{port}", "job")
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_watching_poll_is_held_until_what_it_watches_changes(plain_store):
+    # before: no `watch` (a waiting agent polled every N/1,000 s: 15 calls a host to form a round)
+    server, client = plain_store
+    client.set("open", 0)
+    (opened,), seen = client.watch(("get", {"key": "open"}), on=["open"], seen=None, within_s=5)
+    assert opened == 0 and seen  # answered at once: the caller had seen nothing
+    threading.Timer(0.3, lambda: server.client("job").set("open", 1)).start()
+    t = time.monotonic()
+    (opened, _), again = client.watch(("get", {"key": "open"}),
+                                      ("set", {"key": "alive/a", "value": "h"}),
+                                      on=["open"], seen=seen, within_s=20)
+    assert opened == 1 and again != seen and time.monotonic() - t < 10  # woken, not timed out
+    # a write that changes nothing watched (a heartbeat, an unwatched key) wakes no one
+    threading.Timer(0.2, lambda: server.client("job").set("alive/a", "h")).start()
+    threading.Timer(0.2, lambda: server.client("job").set("other", 1)).start()
+    t = time.monotonic()
+    (opened,), last = client.watch(("get", {"key": "open"}), on=["open"], seen=again,
+                                   within_s=1.0)
+    assert opened == 1 and last == again and time.monotonic() - t >= 0.9
+    assert server.service.watchers.by_key == {} and server.service.watchers.held.total == 0
+
+
+def test_a_watch_on_a_prefix_is_answered_by_a_new_key_under_it(plain_store):
+    server, client = plain_store
+    (members,), seen = client.watch(("list", {"prefix": "r1/member/"}), on=["r1/member/"],
+                                    seen=None, within_s=5)
+    assert members == {}
+    threading.Timer(0.3, lambda: server.client("job").set("r1/member/b", 1)).start()
+    (members,), _ = client.watch(("list", {"prefix": "r1/member/"}), on=["r1/member/"],
+                                 seen=seen, within_s=20)
+    assert list(members) == ["b"]
+
+
+def test_held_polls_past_their_bound_are_answered_at_once(plain_store, monkeypatch):
+    server, client = plain_store
+    monkeypatch.setattr(rendezvous, "MAX_HOLDING_PER_PEER", 0)
+    client.set("open", 0)
+    (_,), seen = client.watch(("get", {"key": "open"}), on=["open"], seen=None, within_s=5)
+    t = time.monotonic()
+    (opened,), seen = client.watch(("get", {"key": "open"}), on=["open"], seen="x", within_s=5)
+    assert opened == 0 and seen is None and time.monotonic() - t < 2  # a plain batch: poll
+
+
+def test_a_clients_calls_share_one_session_per_thread(plain_store):
+    server, client = plain_store
+    for i in range(50):
+        client.set(f"k{i}", i)
+    other = []
+    t = threading.Thread(target=lambda: other.append(client.get("k7")))
+    t.start()
+    t.join()
+    assert other == [7] and client.get("k49") == 49
+    assert server.service.sessions.total == 2  # this thread's and the other's, not 51 calls
+
+
+def test_a_session_refuses_a_bad_message_and_the_client_opens_another(plain_store):
+    server, client = plain_store
+    channel = grpc.insecure_channel(client.address)
+    session = channel.stream_stream("/jaxdist.Rendezvous/session")
+    replies = session(iter([b'{"m": "get", "key": "job/a"}', b'{"m": "shutdown"}']), timeout=10)
+    assert next(replies) == b"null"
+    with pytest.raises(grpc.RpcError) as e:
+        next(replies)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "m is one of" in \
+        e.value.details()
+    channel.close()
+    client.set("a", 1)
+    client._local.session.close()  # a broken session (the store restarted, say)
+    assert client.get("a") == 1
+
+
+def test_sessions_from_one_host_are_bounded(plain_store, monkeypatch):
+    server, client = plain_store
+    monkeypatch.setattr(rendezvous, "MAX_SESSIONS_PER_PEER", 1)
+    client.set("a", 1)  # this thread's session: the one the host may have
+    channel = grpc.insecure_channel(client.address)
+    replies = channel.stream_stream("/jaxdist.Rendezvous/session")(
+        iter([b'{"m": "get", "key": "job/a"}']), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        next(replies)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sessions" in \
+        e.value.details()
+    channel.close()
+
+
+def test_a_client_of_a_store_without_sessions_calls_as_before(monkeypatch):
+    # an agent of this version joining a store served by an older one (no `session` method)
+    async def unimplemented(self, requests, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    monkeypatch.setattr(rendezvous._Service, "session", unimplemented)
+    server, port = serve("127.0.0.1:0", own_job="job")
+    client = RendezvousClient(f"127.0.0.1:{port}", "job")
+    try:
+        client.set("a", 1)
+        assert client.get("a") == 1 and client._sessions is None
+        assert client.watch(("get", {"key": "a"}), on=["a"], seen=None, within_s=1)[0] == [1]
+    finally:
+        client.close()
+        server.stop(0)

@@ -533,14 +533,23 @@ class Agent:
 
     def _watch(self, n: int, ids: list[str], first: int, procs: list) -> tuple[str, int]:
         ranks = {first + i: p.pid for i, p in enumerate(procs)}
+        detector = HangDetector(self.l.state_dir, ranks,
+                                timeout_s=self.l.options.hang_timeout_s)
+        poller = _RoundPoller(self, n, detector)
+        try:
+            return self._watch_round(n, ids, first, procs, detector, poller)
+        finally:
+            poller.stop()
+
+    def _watch_round(self, n: int, ids: list[str], first: int, procs: list,
+                     detector: HangDetector, poller: _RoundPoller) -> tuple[str, int]:
+        """Watches this host's processes (every 0.1 s) and the round's news from the store
+        until the round ends here: done, drained, failed (here or elsewhere), left."""
         local = {first + i: p for i, p in enumerate(procs)}
         state_dir = self.l.state_dir
-        detector = HangDetector(state_dir, ranks, timeout_s=self.l.options.hang_timeout_s)
         draining = False
         store_ok = time.monotonic()
         silent_said = False
-        published = 0.0
-        next_poll = 0.0
 
         def fail(reason: str, code: int = 1, ranks_at_fault=()) -> tuple[str, int]:
             self.say(f"round {n} failed: {reason}; last completed step per local rank "
@@ -581,19 +590,15 @@ class Agent:
                 self.l.dump_stacks({r: p.pid for r, p in local.items() if p.poll() is None})
                 return fail(f"rank(s) {[h.rank for h in hung]} on host {self.hostname} hung",
                             ranks_at_fault=[h.rank for h in hung])
-            if time.monotonic() < next_poll:
+            news = poller.take()
+            if news is None:
                 continue
-            next_poll = time.monotonic() + self._watch_poll_s()
-            try:
-                publish = time.monotonic() - published > 1.0
-                published = time.monotonic() if publish else published
-                failed, leaving_now, rejected, registered, stop, done, silent, *_ = \
-                    self.store.batch(*self._round_calls(n, detector, publish))
-                self._beaten = time.monotonic()
+            if not isinstance(news, RendezvousError):
+                failed, leaving_now, rejected, registered, stop, done, silent, *_ = news
                 leaving = set(leaving_now) | set(rejected)
                 joiners = [k for k in registered if k not in ids]
                 store_ok, silent_said = time.monotonic(), False
-            except RendezvousError:
+            else:
                 if time.monotonic() - store_ok > self.host_timeout_s and not silent_said:
                     silent_said = True
                     # This host's processes do not need the store: they go on (and finish, or
@@ -624,6 +629,12 @@ class Agent:
                     write_stop(self.l.state_dir, stop)
                 except OSError as e:  # a full /dev/shm: the tier never takes the agent down
                     self.say(f"could not ask this host's processes to stop at step {stop} ({e})")
+
+    def _round_watch(self, n: int) -> list[str]:
+        """What a running round's poll is answered on when it changes: a failure, hosts leaving,
+        refused or joining, the agreed stop step, the job's end, the lost hosts."""
+        return [f"r{n}/failed", "leaving/", "rejected/", f"r{n + 1}/member/", f"r{n}/drain",
+                "done", f"r{n}/lost"]
 
     def _leave(self) -> bool:
         """This host was asked to stop: True for SIGKILL (at once), else it announces that it
@@ -808,6 +819,51 @@ class Agent:
             elif time.monotonic() - quiet_since > self.rdzv_timeout_s:
                 return
             time.sleep(0.2)
+
+
+class _RoundPoller:
+    """A running round's polls of the store (``Agent._round_calls``), on a thread of their own:
+    the store holds each until something the round watches changes (a failure, a lost host, a
+    joiner, a stop step, the job's end) or for one poll interval, so the agent, which looks at
+    its processes every 0.1 s, learns of a change as it is written, with no more calls than a
+    poll each interval. ``take`` gives the newest reply (or the error of the last poll) once."""
+
+    def __init__(self, agent: Agent, n: int, detector: HangDetector):
+        self.agent, self.n, self.detector = agent, n, detector
+        self._news: list | RendezvousError | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name=f"round-{n}-poll").start()
+
+    def _run(self) -> None:
+        agent, seen, published = self.agent, None, 0.0
+        next_at = time.monotonic() + agent._watch_poll_s()
+        while not self._stopped.wait(max(0.0, next_at - time.monotonic())):
+            hold = agent._watch_poll_s()
+            next_at = time.monotonic() + hold
+            publish = time.monotonic() - published > 1.0
+            published = time.monotonic() if publish else published
+            news: list | RendezvousError
+            try:
+                agent._beaten = time.monotonic() + hold  # (stamped on arrival and on answer)
+                news, seen = agent.store.watch(
+                    *agent._round_calls(self.n, self.detector, publish),
+                    on=agent._round_watch(self.n), seen=seen, within_s=hold)
+                agent._beaten = time.monotonic()
+            except RendezvousError as e:
+                news, seen = e, None
+            with self._lock:
+                self._news = news
+        agent.store.end_session()  # this thread's stream (LocalClient and older stores: none)
+
+    def take(self) -> list | RendezvousError | None:
+        with self._lock:
+            news, self._news = self._news, None
+        return news
+
+    def stop(self) -> None:
+        """No more polls (one held at the store ends within an interval, unread)."""
+        self._stopped.set()
 
 
 class Refused(RuntimeError):
