@@ -1,9 +1,12 @@
 """The in-memory tier's copies that overlap the step (an on-device snapshot, host-copied, released
-once landed; a direct copy when the device lacks room) and its writes from several threads."""
+once landed; a direct copy when the device lacks room, or once a training step ran out of device
+memory beside a snapshot) and its writes from several threads."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import threading
 import types
 
 import jax
@@ -11,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxdist
+from jaxdist import models
 from jaxdist.checkpoint import InMemoryTier, _copies, _overlap, _pwrite, _slots, memstate
 
 
@@ -236,3 +241,170 @@ def _spy_landings(tier, first_save, landed):
         tier._cadence.on_landed = landed.append
         return ok
     return first
+
+
+# --- a training step out of device memory beside a held snapshot ------------------------------
+
+
+class _Gate:
+    """Part of a device snapshot that the writer waits on until ``opened``: the tier holds that
+    snapshot until then, so that a step runs beside it whatever the threads' timing."""
+
+    def __init__(self, opened):
+        self.opened = opened
+
+    def is_ready(self):
+        return self.opened.is_set()
+
+    def block_until_ready(self):
+        self.opened.wait(timeout=60)
+        return self
+
+
+class _OpensOnClose(jaxdist.callbacks.Callback):
+    """Opens the gate when ``fit`` ends, before the tier's own ``close`` waits for its copies."""
+
+    def __init__(self, opened):
+        self.opened = opened
+
+    def close(self):
+        self.opened.set()
+
+
+class _OutOfMemoryOnce:
+    """``fit``'s compiled step, raising what XLA raises for a device out of memory at the first
+    call at which ``when()`` holds (after deleting the state, as a donation that consumed it
+    would, with ``consume``); calls after that one open ``opened``."""
+
+    def __init__(self, step, when, opened, consume=False):
+        self.step, self.when, self.opened, self.consume = step, when, opened, consume
+        self.calls, self.failed, self.raised = 0, None, None
+
+    def __call__(self, state, batch):
+        self.calls += 1
+        if self.failed is not None:
+            self.opened.set()  # the snapshot was dropped by now: the writer may go on
+        elif self.when():
+            self.failed = self.calls
+            if self.consume:
+                for x in jax.tree.leaves(state):
+                    x.delete()
+            self.raised = jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB (test)")
+            raise self.raised
+        return self.step(state, batch)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def _held(tier):
+    with tier._cond:
+        return any(c.held is not None for c, _ in tier._copies)
+
+
+def _fit_beside_the_tier(tmp_path, monkeypatch, digits, when=None, consume=False, gate=True):
+    """``fit`` of 8 steps with the tier's snapshots on (``every=1``), its step failing once as
+    ``_OutOfMemoryOnce`` says (``when(tier)``; None: never); the writer waits for each device
+    snapshot until the step after the failure (``gate``). Returns ``(history or the error,
+    the step, the tier, how many snapshots were taken after the warm-up's)``."""
+    from jaxdist.launch import heartbeat
+
+    _as_accelerator(monkeypatch)
+    monkeypatch.setattr(heartbeat, "_current", None)  # this test's heartbeat, not the process's
+    monkeypatch.setenv(memstate.ENV_STATE_DIR, str(tmp_path / "state"))
+    opened, taken = threading.Event(), []
+    real = _copies._snapshot_to_host
+
+    def gated(blocks):
+        host, snap = real(blocks)
+        taken.append(blocks)
+        return host, [*snap, _Gate(opened)] if gate else snap
+
+    monkeypatch.setattr(_overlap, "_snapshot_to_host", gated)
+    backup = jaxdist.callbacks.BackupAndRestore(
+        str(tmp_path / "backup"), memory_tier=jaxdist.checkpoint.MemoryTierPolicy(every=1),
+        delete_checkpoint=False)
+    tier = backup.memory
+    fit_module = importlib.import_module("jaxdist.training.fit")
+    made = []
+
+    def as_step(*args, **kw):
+        made.append(_OutOfMemoryOnce(real_as_step(*args, **kw),
+                                     (lambda: when(tier)) if when else (lambda: False), opened,
+                                     consume))
+        return made[-1]
+
+    real_as_step = fit_module._as_step
+    monkeypatch.setattr(fit_module, "_as_step", as_step)
+    try:
+        out = _fit_digits(digits, callbacks=[_OpensOnClose(opened), backup])
+    except jax.errors.JaxRuntimeError as e:
+        out = e
+    return out, made[0], tier, len(taken) - 1
+
+
+def _fit_digits(digits, callbacks=()):
+    (x, y), _ = digits
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    state = models.create_train_state(models.MLP(hidden=(16,)), x[:1], seed=1)
+    return jaxdist.fit(s.step(models.classifier_train_step), state,
+                       s.distribute((x[:256], y[:256]), 32), epochs=1, verbose=0,
+                       callbacks=list(callbacks))
+
+
+def test_a_step_out_of_memory_beside_a_snapshot_drops_it_and_runs_again(
+        tmp_path, monkeypatch, caplog, digits):
+    # before: the step's RESOURCE_EXHAUSTED ended fit (the JaxRuntimeError came out of it at
+    # step 2), the tier still holding its snapshot and copying through snapshots
+    with caplog.at_level(logging.WARNING):
+        out, step, tier, taken = _fit_beside_the_tier(tmp_path, monkeypatch, digits, _held)
+    assert not isinstance(out, Exception), out
+    assert step.failed == 2 and step.calls == 9  # failed beside step 1's snapshot, ran again once
+    clean = _fit_digits(digits)
+    assert out.history == clean.history
+    for a, b in zip(jax.tree.leaves(out.state), jax.tree.leaves(clean.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    said = [r.getMessage() for r in caplog.records if "directly" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "ran out of device memory beside the tier's device snapshot" in said[0]
+    assert "copy (step 1) abandoned" in said[0] and "smaller batch" in said[0], said
+    assert taken == 1  # step 1's; the copies after the failure read the state itself
+    assert not tier._overlap.snapshots and not tier.holds_snapshot
+    assert tier.last_written == 8  # the tier went on copying, directly
+
+
+def test_a_step_out_of_memory_without_a_held_snapshot_is_raised_unchanged(
+        tmp_path, monkeypatch, caplog, digits):
+    # before: raised too (nothing was ever retried); this holds the retry to a held snapshot,
+    # and drop_snapshot with none held changes nothing (main had neither it nor holds_snapshot)
+    def landed(tier):  # step 1's copy has landed and its snapshot is released: none held
+        if tier._cadence is None:
+            return False  # step 1: nothing copied yet
+        with tier._cond:
+            return tier._cond.wait_for(lambda: tier._ready is not None and not _held(tier),
+                                       timeout=60)
+
+    with caplog.at_level(logging.WARNING):
+        out, step, tier, _ = _fit_beside_the_tier(tmp_path, monkeypatch, digits, landed,
+                                                  gate=False)
+        assert not tier.holds_snapshot and tier.drop_snapshot("test") is False
+    assert out is step.raised and not getattr(out, "__notes__", None)
+    assert step.failed == 2 and step.calls == 2  # not run again
+    assert tier._overlap.snapshots  # nothing dropped
+    assert not [r for r in caplog.records if "directly" in r.getMessage()]
+
+
+def test_a_step_out_of_memory_whose_inputs_were_donated_is_raised_with_a_note(
+        tmp_path, monkeypatch, caplog, digits):
+    # before: raised without the note, the tier still holding its snapshot
+    with caplog.at_level(logging.WARNING):
+        out, step, tier, _ = _fit_beside_the_tier(tmp_path, monkeypatch, digits, _held,
+                                                  consume=True)
+    assert out is step.raised
+    assert step.failed == 2 and step.calls == 2  # not run again: its inputs are gone
+    (note,) = out.__notes__
+    assert "dropped the device snapshot" in note and "donated" in note and "\n" not in note
+    assert not tier._overlap.snapshots
+    said = [r.getMessage() for r in caplog.records if "directly" in r.getMessage()]
+    assert len(said) == 1, said

@@ -14,7 +14,10 @@ A device without room for that extra state (``memory_stats()``: its allocator's 
 peak it has seen) gets the direct copy instead, said in one log line: copies then read the state
 itself and the step after one may wait for it (the cadence measures that and copies less often).
 The room is checked again whenever the devices' peak has grown since (an evaluation, a longer
-batch), and a snapshot that runs out of device memory turns snapshots off the same way. Host
+batch), and a snapshot that runs out of device memory turns snapshots off the same way. A
+training step that runs out of device memory while a snapshot is held beside it makes the tier
+drop that snapshot (its copy is abandoned; the previous one stays the newest) and turn snapshots
+off the same way (``InMemoryTier.drop_snapshot``), and ``fit`` runs that step again once. Host
 copies never go to device memory: where pinned host memory runs out (XLA's pinned allocator is
 capped) the tier turns itself off in one line (``PinnedFull``), as a copy in device memory would
 be lost with its process.
@@ -106,7 +109,8 @@ class _Overlap:
             self._go_direct(why)
         return room
 
-    def _go_direct(self, why: str) -> None:
+    def _go_direct(self, why: str, fix: str = "") -> None:
+        """Snapshots off for the rest of the run, said in one line (``why``, then ``fix``)."""
         self.snapshots = False
         logger.warning("in-memory tier: copying the state directly from now on: %s. The step "
-                       "after each copy may wait for it", why)
+                       "after each copy may wait for it%s", why, fix and f". {fix}")

@@ -313,6 +313,45 @@ class InMemoryTier:
             self._copies[i] = (copy._replace(held=None), force)
         return True
 
+    @property
+    def holds_snapshot(self) -> bool:
+        """Whether a copy holds a device snapshot of the state now (one more state's worth of
+        device memory, until the tier releases it once its host copy has landed)."""
+        with self._cond:
+            return any(copy.held is not None for copy, _ in self._copies)
+
+    def drop_snapshot(self, error: BaseException | str) -> bool:
+        """Releases the device snapshot held now and copies the state directly from then on, said
+        in one warning line; returns False (and changes nothing) when none is held.
+
+        For a training step that ran out of device memory (``error``) beside the snapshot: the
+        step may then run again, if its inputs were not donated (``fit`` does so once). The copy
+        that held the snapshot is abandoned, its host copy too: the copy before it stays the
+        newest. A custom loop calls it as ``ckpt.memory.drop_snapshot(e)``.
+        """
+        with self._cond:
+            dropped = [copy for copy, _ in self._copies if copy.held is not None]
+            if not dropped:
+                return False
+            self._copies = collections.deque(c for c in self._copies if c[0].held is None)
+            for copy in dropped:
+                for x in [*copy.held, *copy.arrays()]:  # freed now, whoever still refers to them
+                    if isinstance(x, jax.Array):
+                        x.delete()
+            newest = ("no copy had landed before it" if self._ready is None
+                      else f"step {self._ready.step}'s copy stays the newest")
+            self._cond.notify_all()
+        cause = error if isinstance(error, str) else (str(error).splitlines() or [""])[0][:200]
+        if self._overlap is not None:  # always: only the overlap takes snapshots
+            self._overlap._go_direct(
+                f"the training step ran out of device memory beside the tier's device snapshot "
+                f"of the state ({cause}); the snapshot was dropped and its copy (step "
+                f"{', '.join(str(c.step) for c in dropped)}) abandoned; {newest}",
+                f"To keep snapshots, leave device memory for one more copy of the state "
+                f"({_fmt(self._bytes)}) beside the step: a smaller batch or model, or a larger "
+                f"share of the device (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+        return True
+
     def _copy_all(self, leaves: list) -> tuple[list, list | None]:
         """Host copies of this process's blocks of ``leaves`` (each distinct block once),
         dispatched in one call (asynchronous; only this process's devices take part), and the
@@ -453,20 +492,24 @@ class InMemoryTier:
             copy = copy._replace(held=None)
             if waited:  # only then is now the time its step finished (else: some time before)
                 self._cadence.on_done(copy.step)
-            self._take(copy, landed=True)
+            if not self._take(copy, landed=True):
+                continue  # dropped while the writer waited for it (drop_snapshot)
             last = self.last_written
             if force or last is None or copy.step - last >= self._cadence.k:
                 self._persist(copy)
 
-    def _take(self, copy: _Copy, *, landed: bool) -> None:
+    def _take(self, copy: _Copy, *, landed: bool) -> bool:
         """The writer is done waiting for ``copy``: out of the copies in flight, and the newest
-        done one if it landed."""
+        done one if it landed; returns whether it is (not when ``drop_snapshot`` abandoned it)."""
         with self._cond:
             if self._copies and self._copies[0][0].step == copy.step:
                 self._copies.popleft()
+            landed = landed and not any(isinstance(a, jax.Array) and a.is_deleted()
+                                        for a in copy.arrays())
             if landed:
                 self._ready = copy._replace(held=None)  # its device snapshot is free again
             self._cond.notify_all()
+        return landed
 
     def _persist(self, copy: _Copy) -> None:
         """Writes ``copy`` to a slot (unless a newer one is there already)."""

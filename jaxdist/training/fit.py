@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jaxdist.callbacks import Callback, ProgressBar, Resume, TrainInfo
+from jaxdist.checkpoint import InMemoryTier
 from jaxdist.core import PyTree
 from jaxdist.core.step import DistributedStep, check_max_in_flight
 from jaxdist.input.protocols import EpochSource, GroupedEpochSource, InMemoryData
@@ -446,19 +447,49 @@ def _warn_nonfinite(info: TrainInfo) -> bool:
     return True
 
 
+_DONATED_NOTE = (
+    "jaxdist.fit: the in-memory tier dropped the device snapshot it held beside this step, but "
+    "the step's inputs were donated to it, so the step cannot run again; the tier copies "
+    "directly for the rest of this process, a restarted run takes snapshots again: leave device "
+    "memory for one more copy of the state beside the step (a smaller batch or model)")
+
+
+def _memory_tiers(cbs: list) -> list[InMemoryTier]:
+    """The in-memory tiers the callbacks copy the state with (``BackupAndRestore.memory``)."""
+    return [tier for cb in cbs if isinstance(tier := getattr(cb, "memory", None), InMemoryTier)]
+
+
+def _run_step(call: Callable, state: PyTree, batch: Any, tiers: list, *rest: Any) -> Any:
+    """``call(state, batch, *rest)``, run once more when it ran out of device memory while an
+    in-memory tier held a device snapshot of the state beside it: the tier drops the snapshot
+    and copies directly from then on (one warning line). Not when the step's inputs are gone
+    (donated): its error then says the snapshot was dropped. A second failure is raised."""
+    try:
+        return call(state, batch, *rest)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) or not any([t.drop_snapshot(e) for t in tiers]):
+            raise
+        if any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in jax.tree.leaves((state, batch))):
+            e.add_note(_DONATED_NOTE)
+            raise
+    return call(state, batch, *rest)
+
+
 def _train_epoch(step: Any, it: Any, info: TrainInfo, meter: _Meter, cbs: list, group: int,
                  steps_per_epoch: int | None, max_in_flight: int, warned: bool) -> bool:
     """One epoch's calls (one step each, or ``group`` with ``steps_per_execution``): the state,
     the metrics read a few calls late, the callbacks once per call. Returns ``warned``."""
     first, calls, reads = True, 0, -1
     logs: dict[str, float] = {}
+    tiers = _memory_tiers(cbs)
     for item in it:
         if group == 1:
             count, num_real = 1, it.last_num_real
-            info.state, metrics = step(info.state, item)
+            info.state, metrics = _run_step(step, info.state, item, tiers)
         else:
             count, num_real = len(item.num_real), item.num_real
-            info.state, metrics = step.steps(info.state, item.batches, count)
+            info.state, metrics = _run_step(step.steps, info.state, item.batches, tiers, count)
         if first:
             _check_scalars(_flatten_metrics(metrics), stacked=group > 1)
             has_metrics, first = bool(jax.tree.leaves(metrics)), False
