@@ -369,6 +369,7 @@ class _LightHost:
         self.addr, self.nproc, self.identity = "127.0.0.1", 1, sim.identity
         self.host_timeout_s = sim.host_timeout_s
         self._hosts, self._quiet, self._beaten, self._last_order = 1, False, 0.0, None
+        self.last_round = -1
         self._prefix = f"{JOB}/"
         self.base, self.started_at, self.stop_at = 0, time.monotonic(), None
         self.frozen = False
@@ -454,10 +455,14 @@ class _LightHost:
                 self._beaten = time.monotonic()
 
     async def _join(self) -> tuple[int, list] | None:
+        guess = self.last_round + 1 if self.last_round >= 0 else None
         while True:  # as Agent._join
-            done, n = await self.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
-            if done:
-                return None
+            if guess is None:
+                done, n = await self.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
+                if done:
+                    return None
+            else:
+                n, guess = guess, None
             register = [("set", {"key": f"r{n}/member/{self.id}",
                                  "value": self._member_record(0)})]
             seen, next_at = None, time.monotonic()
@@ -483,7 +488,7 @@ class _LightHost:
                 return n, final
 
     async def _round(self, n: int, members: list) -> None:
-        self._hosts = len(members)
+        self._hosts, self.last_round = len(members), n
         ids = [k for k, _ in members]
         self._last_order = ids.index(self.id)
         self.base, self.started_at, self.stop_at = self.step(), time.monotonic(), None

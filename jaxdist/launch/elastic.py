@@ -293,6 +293,9 @@ class Agent:
         lost = sorted(k for k, _ in members or () if k not in alive and k not in gone)
         if lost and lost != self._said_lost:
             store.set(f"r{m}/lost", lost)
+            # the round has failed: said once here, rather than by each agent that reads it
+            store.set_if_absent(f"r{m}/failed", f"host(s) {lost} lost (agent silent for more "
+                                f"than {self.host_timeout_s:g} s)")
         self._said_lost = lost
 
     def _refuse_mismatched(self, ready: dict, prev: list | None) -> dict:
@@ -436,10 +439,14 @@ class Agent:
     def _join(self) -> tuple[int, list] | None:
         deadline = time.monotonic() + self.rdzv_timeout_s
         port = free_ports(1, host="")[0]
+        guess = self._round + 1 if self._round >= 0 else None  # (opened as ours closed)
         while time.monotonic() < deadline:
-            done, n = self.store.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
-            if done or self.l.stop_signal is not None:
-                return None
+            if guess is None:
+                done, n = self.store.batch(("get", {"key": "done"}), ("get", {"key": "open"}))
+                if done or self.l.stop_signal is not None:
+                    return None
+            else:  # after a round the next one is open: registering for it costs no call first
+                n, guess = guess, None  # (the poll's reply says whether it still is)
             # Registers with the first poll. The store holds each later poll until the round
             # closes (or a heartbeat's time): no polling storm at 1,000 hosts, and the round
             # starts at once. Never more than one call per poll interval; a store that holds

@@ -61,6 +61,7 @@ import asyncio
 import bisect
 import builtins
 import hashlib
+import heapq
 import hmac
 import json
 import math
@@ -170,7 +171,8 @@ def _decode(request: bytes) -> dict:
     req = _loads(request)
     if not isinstance(req, dict):
         raise ValueError("a rendezvous request is a JSON object")
-    if _depth(req) > MAX_DEPTH:
+    # (a value nests no deeper than it has brackets: most requests need no walk)
+    if request.count(b"[") + request.count(b"{") > MAX_DEPTH and _depth(req) > MAX_DEPTH:
         raise ValueError(f"a rendezvous message nests deeper than {MAX_DEPTH} levels")
     _check_fields(req)
     return req
@@ -265,8 +267,19 @@ class _Store:
             del self._jobs[job]  # its place among MAX_JOBS is free again
 
     def handle(self, method: str, req: dict) -> Any:
-        """The reply to one call, as a value (for this process's own reads: the store encoded it,
-        so it is parsed as plain JSON)."""
+        """The reply to one call, as a value, for this process's own calls (``LocalClient``): a
+        ``get`` or ``list`` gives the values the store holds, not copies (read them, never change
+        them: the round closer reads every key of a job ten times a second); the other methods'
+        replies are parsed as plain JSON (the store encoded them)."""
+        if method == "get":
+            with self._lock:
+                item = self._data.get(req["key"])
+            return None if item is None else item[0]
+        if method == "list" and "older_than" not in req:
+            with self._lock:
+                now = time.monotonic()
+                return {k: [self._data[k][0], now - self._data[k][1]]
+                        for k in self._under(req["prefix"])}
         return json.loads(self.reply(method, req))
 
     def reply(self, method: str, req: dict) -> bytes:
@@ -980,11 +993,9 @@ class _Session:
         def cut():
             late.set()
             self._call.cancel()
-        timer = threading.Timer(timeout_s, cut)
-        timer.daemon = True
+        timer = _WATCHDOG.arm(timeout_s, cut)
         try:
             self._out.put(request)
-            timer.start()
             return next(self._call)
         except StopIteration:  # the store ended the session (it stopped)
             self.close()
@@ -1005,6 +1016,55 @@ class _Session:
         self.broken = True
         self._out.put(None)  # ends the stream's request iterator (and gRPC's thread reading it)
         self._call.cancel()
+
+
+class _Watchdog:
+    """Runs a function once its deadline passes unless disarmed first: the sessions' per-request
+    deadlines, on one thread for the process (a timer thread per request would cost a thread
+    start per poll)."""
+
+    def __init__(self):
+        self._heap: builtins.list[tuple[float, int, builtins.list]] = []
+        self._cond = threading.Condition()
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, timeout_s: float, fn: Callable[[], None]) -> _Armed:
+        entry = [fn]
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._heap, (time.monotonic() + timeout_s, self._count, entry))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="rdzv-deadlines")
+                self._thread.start()
+            self._cond.notify()
+        return _Armed(entry)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                due, _, entry = self._heap[0]
+                if entry[0] is not None and due > time.monotonic():
+                    self._cond.wait(due - time.monotonic())
+                    continue
+                heapq.heappop(self._heap)
+            fn = entry[0]
+            if fn is not None:
+                fn()
+
+
+class _Armed:
+    def __init__(self, entry: builtins.list):
+        self._entry = entry
+
+    def cancel(self) -> None:
+        self._entry[0] = None  # (its heap entry goes at its deadline, or sooner when first)
+
+
+_WATCHDOG = _Watchdog()
 
 
 class _SessionError(grpc.RpcError):
