@@ -558,12 +558,13 @@ class Agent:
         store_ok = time.monotonic()
         silent_said = False
 
-        def fail(reason: str, code: int = 1, ranks_at_fault=()) -> tuple[str, int]:
+        def fail(reason: str, code: int = 1, ranks_at_fault=(), told=False) -> tuple[str, int]:
             self.say(f"round {n} failed: {reason}; last completed step per local rank "
                      f"{detector.last_steps()}")
             self.l.record_failure(reason, detector.last_steps(), [str(r) for r in ranks_at_fault])
             try:  # first, so that the other hosts' survivors write their copies meanwhile
-                self.store.set_if_absent(f"r{n}/failed", reason)
+                if not told:  # (the store knows already: the closer said a host was lost)
+                    self.store.set_if_absent(f"r{n}/failed", reason)
             finally:  # a silent store raises: see _fail_over
                 self.l.flush_survivors(local)
             return "failed", code
@@ -615,6 +616,11 @@ class Agent:
                 continue
             if done:
                 continue  # another host's processes finished: ours are finishing too
+            # the store's host reads the heartbeats (Agent._census) and names the lost hosts
+            lost = [k for k in silent or () if k in ids and k != self.id and k not in leaving]
+            if lost:
+                return fail(f"host(s) {lost} lost (agent silent for more than "
+                            f"{self.host_timeout_s:g} s)", told=bool(failed))
             if failed:
                 self.say(f"round {n} ended by a failure elsewhere: {failed}; last completed "
                          f"step per local rank {detector.last_steps()}")
@@ -623,11 +629,6 @@ class Agent:
                 self.l.flush_survivors(local)
                 self.l.record_failure(failed, detector.last_steps())
                 return "failed", 1
-            # the store's host reads the heartbeats (Agent._census) and names the lost hosts
-            lost = [k for k in silent or () if k in ids and k != self.id and k not in leaving]
-            if lost:
-                return fail(f"host(s) {lost} lost (agent silent for more than "
-                            f"{self.host_timeout_s:g} s)")
             if stop is None and (joiners or self._leaving or (leaving & set(ids))):
                 stop = self._ask_stop(n, detector, "a host joins" if joiners else "a host leaves")
             if stop is not None and not draining:

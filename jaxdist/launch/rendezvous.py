@@ -42,7 +42,7 @@ from what the caller last saw, or for the seconds it asks (at most ``MAX_HOLD_S`
 waiting for a round, or watching a running one, learns of a change as it is written, with at most
 one call per poll interval; ``MAX_HOLDING_PER_PEER`` and ``MAX_HOLDING`` bound the calls held,
 past them a watch is answered at once, as a plain batch. With these, a round of 1,024 simulated
-hosts forms in about 4.5 s on a 2-core machine and re-forms in about 4.7 s after a host is lost
+hosts forms in about 6 s on a 2-core machine and re-forms in about 4.8 s after a host is lost
 (the 3 s host timeout included): ``benchmarks/results/rendezvous_scale.md``.
 
 Keys are namespaced by the rendezvous id (``<rdzv id>/<name>``), so jobs sharing an endpoint do not
@@ -427,7 +427,40 @@ MAX_WAITING = 2048
 _HANDSHAKE_MS = 5_000  # a connection that has not completed HTTP/2's handshake by then is closed
 
 
-class _Waiting:
+class _Count:
+    """What each peer host may hold only so many of at once, and all hosts together: the limits
+    are read at each ``enter`` (callables, so that a test or the simulator may change them)."""
+
+    def __init__(self, what: str, per_peer: Callable[[], int], total: Callable[[], int]):
+        self.what, self.per_peer, self.limit = what, per_peer, total
+        self.by_host: dict[str, int] = {}
+        self.total = 0
+
+    def refusal(self, host: str, per_peer: bool) -> str:
+        if per_peer:
+            return f"{host} has {self.per_peer()} {self.what} open; close some"
+        return f"{self.total} {self.what} are open, the store's most; retry later"
+
+    def enter(self, host: str) -> str | None:
+        """Counts one more of ``host``'s; the reason to refuse it, if any."""
+        if self.by_host.get(host, 0) >= self.per_peer():
+            return self.refusal(host, True)
+        if self.total >= self.limit():
+            return self.refusal(host, False)
+        self.by_host[host] = self.by_host.get(host, 0) + 1
+        self.total += 1
+        return None
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        left = self.by_host[host] - 1
+        if left:
+            self.by_host[host] = left
+        else:
+            del self.by_host[host]
+
+
+class _Waiting(_Count):
     """Calls whose message has not arrived yet, per peer host: what a slow caller may hold.
 
     The store is served by ``grpc.aio``: a call waiting for its message holds no thread, only
@@ -435,54 +468,15 @@ class _Waiting:
     message comes with their headers) nothing to queue behind. The counts bound the memory."""
 
     def __init__(self):
-        self.by_host: dict[str, int] = {}
-        self.total = 0
+        super().__init__("calls waiting for their message", lambda: MAX_WAITING_PER_PEER,
+                         lambda: MAX_WAITING)
         self.cut = 0  # calls cut for a message that did not come in time (for tests and status)
 
-    def enter(self, host: str) -> str | None:
-        """Counts one more waiting call of ``host``; the reason to refuse it, if any."""
-        if self.by_host.get(host, 0) >= MAX_WAITING_PER_PEER:
+    def refusal(self, host: str, per_peer: bool) -> str:
+        if per_peer:  # (clients retry on "max_receiving")
             return (f"{host} has {MAX_WAITING_PER_PEER} calls waiting for their message "
                     "(max_receiving per peer); retry later")
-        if self.total >= MAX_WAITING:
-            return f"{self.total} calls are waiting for their message (max_receiving); retry later"
-        self.by_host[host] = self.by_host.get(host, 0) + 1
-        self.total += 1
-        return None
-
-    def leave(self, host: str) -> None:
-        self.total -= 1
-        left = self.by_host[host] - 1
-        if left:
-            self.by_host[host] = left
-        else:
-            del self.by_host[host]
-
-
-class _Count:
-    """Something each peer host may hold only so many of (sessions), and all hosts together."""
-
-    def __init__(self, what: str, per_peer: Callable[[], int], total: int):
-        self.what, self.per_peer, self.limit = what, per_peer, total
-        self.by_host: dict[str, int] = {}
-        self.total = 0
-
-    def enter(self, host: str) -> str | None:
-        if self.by_host.get(host, 0) >= self.per_peer():
-            return f"{host} has {self.per_peer()} {self.what} open; close some"
-        if self.total >= self.limit:
-            return f"{self.total} {self.what} are open, the store's most; retry later"
-        self.by_host[host] = self.by_host.get(host, 0) + 1
-        self.total += 1
-        return None
-
-    def leave(self, host: str) -> None:
-        self.total -= 1
-        left = self.by_host[host] - 1
-        if left:
-            self.by_host[host] = left
-        else:
-            del self.by_host[host]
+        return f"{self.total} calls are waiting for their message (max_receiving); retry later"
 
 
 MAX_HOLD_S = 30.0
@@ -518,7 +512,7 @@ class _Watchers:
 
     def __init__(self):
         self.by_key: dict[str, set[asyncio.Future]] = {}
-        self.held = _Count("held calls", lambda: MAX_HOLDING_PER_PEER, MAX_HOLDING)
+        self.held = _Count("held calls", lambda: MAX_HOLDING_PER_PEER, lambda: MAX_HOLDING)
 
     def wake(self, keys: list[str]) -> None:
         """Releases the calls watching any of ``keys`` or a prefix of one (at each ``/``)."""
@@ -593,7 +587,7 @@ class _Service:
         self.store, self.secret = store, secret
         self.waiting = _Waiting()
         self.watchers = _Watchers()
-        self.sessions = _Count("sessions", lambda: MAX_SESSIONS_PER_PEER, MAX_SESSIONS)
+        self.sessions = _Count("sessions", lambda: MAX_SESSIONS_PER_PEER, lambda: MAX_SESSIONS)
 
     async def _admit(self, context) -> str:
         """The caller's host, once its token is checked (before any message is read: a caller
