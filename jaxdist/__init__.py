@@ -7,7 +7,10 @@
 
 import importlib
 
-from jaxdist import _compat
+from jaxdist import (
+    _compat,
+    _output,  # noqa: F401  (loads gRPC before anything else does, quietly)
+)
 from jaxdist import callbacks as callbacks
 from jaxdist import checkpoint as checkpoint
 from jaxdist import ps as ps

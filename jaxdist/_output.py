@@ -8,6 +8,12 @@ when its connections are up (``[Gloo] Rank 0 is connected to 1 peer ranks. ...``
 process's stderr; there is no switch for it. ``jaxdist launch`` drops those lines unless
 ``--verbose`` (or ``JAXDIST_VERBOSE=1``) asks for everything.
 
+**gRPC's log lines.** gRPC's C core logs at INFO unless ``GRPC_VERBOSITY`` says otherwise, and
+reads it as it loads: every elastic agent would print an ``I... Got goaway`` line whenever a
+rendezvous store it talks to stops. ``jaxdist`` imports this module first, and it loads gRPC at
+its warning level (warnings and errors stay); a ``GRPC_VERBOSITY`` the user set wins, and none is
+left in the environment the job's processes inherit.
+
 **Help.** Every ``jaxdist`` subcommand formats its ``--help`` with :class:`DefaultsHelpFormatter`,
 which appends ``(default: ...)`` to each option that has a default worth showing.
 
@@ -34,6 +40,14 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+
+_USER_GRPC_VERBOSITY = os.environ.get("GRPC_VERBOSITY")
+os.environ["GRPC_VERBOSITY"] = _USER_GRPC_VERBOSITY or "ERROR"
+try:
+    import grpc  # noqa: E402,F401  (loaded now, at that level: see the module's docstring)
+finally:
+    if _USER_GRPC_VERBOSITY is None:
+        del os.environ["GRPC_VERBOSITY"]
 
 __all__ = ["ArgumentParser", "DefaultsHelpFormatter", "RawDescriptionDefaultsHelpFormatter",
            "duration", "integer", "keep_line", "module_factory", "parse_bytes", "parse_seconds",

@@ -118,19 +118,21 @@ def test_fit_reads_no_metric_before_it_is_ready_below_the_bound(monkeypatch):
     data = s.distribute(x, 192, shuffle=False)
     step = s.step(slow_step)
 
-    pushed, early, fetched, draining = [], [], [], []
+    pushed, at_push, early, fetched, draining = [], [], [], [], []
     push, fetch, drain = fit_module._Meter.push, fit_module._fetch, fit_module._Meter.drain
 
     def counting_push(meter, metrics, num_real):
         pushed.append(jax.tree.leaves(metrics))
+        # Counted before fit decides whether to wait: steps only finish as time passes (in
+        # order, on one device), so the unfinished calls fit counts next are at most these.
+        # (Counted at the read instead, steps finishing in between made this test fail by
+        # timing on a loaded machine.)
+        at_push.append(sum(not all(v.is_ready() for v in leaves) for leaves in pushed))
         push(meter, metrics, num_real)
 
     def counting_fetch(flats):
-        # Steps only finish as time passes: counted first, the unfinished calls are at least as
-        # many as when the values below are checked.
-        unfinished = sum(not all(v.is_ready() for v in leaves) for leaves in pushed)
         if not draining and any(not v.is_ready() for f in flats for v in f.values()):
-            early.append(unfinished)
+            early.append(at_push[-1])  # (a wait for a value not ready: decided in this push)
         fetched.append(len(flats))
         return fetch(flats)
 

@@ -365,9 +365,9 @@ class StoreServer:
     """
 
     def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-                 store: _Store, address: str):
+                 store: _Store, address: str, service: _Service):
         self._server, self._loop, self._thread = server, loop, thread
-        self._store, self._address = store, address
+        self._store, self._address, self.service = store, address, service
         self._lock = threading.Lock()
 
     def client(self, rdzv_id: str) -> LocalClient:
@@ -387,7 +387,8 @@ class StoreServer:
         with self._lock:
             if self._loop.is_closed() or not self._thread.is_alive():
                 return True
-            done = asyncio.run_coroutine_threadsafe(_shut(self._server, grace), self._loop)
+            done = asyncio.run_coroutine_threadsafe(_shut(self._server, grace, self.service),
+                                                    self._loop)
             try:
                 done.result((grace or 0) + wait_s)
             except (TimeoutError, futures.TimeoutError):
@@ -397,9 +398,11 @@ class StoreServer:
             return not self._thread.is_alive()
 
 
-async def _shut(server: Any, grace: float | None) -> None:
-    """Stops ``server``, then ends what its calls left on the loop (calls still waiting for
-    their message), so that none is destroyed pending (asyncio's and gRPC's error lines)."""
+async def _shut(server: Any, grace: float | None, service: _Service) -> None:
+    """Ends the sessions, stops ``server``, then ends what its calls left on the loop (calls
+    still waiting for their message), so that none is destroyed pending (asyncio's and gRPC's
+    error lines)."""
+    await service.end()
     await server.stop(grace)
     left = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
     if left:  # gRPC ends its calls' tasks itself (cancelled under it, each says so in an E line)
@@ -588,6 +591,8 @@ class _Service:
         self.waiting = _Waiting()
         self.watchers = _Watchers()
         self.sessions = _Count("sessions", lambda: MAX_SESSIONS_PER_PEER, lambda: MAX_SESSIONS)
+        self.open: set[asyncio.Task] = set()  # the sessions' tasks
+        self.ending = False  # the server stops: no new session
 
     async def _admit(self, context) -> str:
         """The caller's host, once its token is checked (before any message is read: a caller
@@ -641,24 +646,40 @@ class _Service:
 
     async def session(self, requests, context):
         host = await self._admit(context)
+        if self.ending:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the rendezvous store is stopping")
         refused = self.sessions.enter(host)
         if refused is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        task = asyncio.current_task()
+        self.open.add(task)
         try:
             while True:
                 try:
                     async with asyncio.timeout(SESSION_IDLE_S):
                         request = await context.read()
-                except asyncio.CancelledError:  # the caller went away, or the store stops
-                    return
                 except TimeoutError:
                     await context.abort(grpc.StatusCode.CANCELLED, f"no message for "
                                         f"{SESSION_IDLE_S:g} s: the session ends")
                 if request is grpc.aio.EOF:
                     return
                 await context.write(await self._answer(context, None, request, host))
+        except asyncio.CancelledError:  # the caller went away, or the store stops (``end``):
+            return  # the stream ends as a finished one, which a client's gRPC logs nothing of
         finally:
+            self.open.discard(task)
             self.sessions.leave(host)
+
+    async def end(self, within_s: float = 1.0) -> None:
+        """Ends every session (a held poll in one too) before the server stops: gRPC's stop
+        would cancel them, and each client's gRPC would log the cancellation (an "I ... Got
+        goaway" line in every agent's output)."""
+        self.ending = True
+        for task in list(self.open):
+            task.cancel()
+        end = asyncio.get_running_loop().time() + within_s
+        while self.open and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.01)
 
 
 def _peer_host(peer: str | None) -> str:
@@ -724,8 +745,7 @@ def serve(address: str, *, token: str | None = None,
     thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True, name="rdzv-store")
     thread.start()
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    stoppable = StoreServer(server, loop, thread, store, address)
-    stoppable.service = service  # type: ignore[attr-defined]  # for tests
+    stoppable = StoreServer(server, loop, thread, store, address, service)
     if port == 0:
         stoppable.stop(0)
         return None

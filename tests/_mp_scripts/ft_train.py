@@ -40,6 +40,10 @@ ap.add_argument("--steps-per-execution", type=int, default=1)
 ap.add_argument("--when-announced", action="store_true",
                 help="the fault waits (training on) for the first step at or after --at at which "
                      "rank 0's in-memory tier has announced its bound, and prints that bound")
+ap.add_argument("--hold-at", type=int, default=None,
+                help="rank 0 waits after this step until --hold-file exists (a handshake: the "
+                     "job cannot end before the test's outside actor has acted; at most 120 s)")
+ap.add_argument("--hold-file", default=None)
 args = ap.parse_args()
 attempt = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
 at = [int(a) for a in args.at.split(",")]
@@ -53,6 +57,10 @@ class Report(jaxdist.callbacks.Callback):
 
     def on_train_batch_end(self, info):
         time.sleep(args.sleep)
+        if me == 0 and args.hold_at is not None and info.step == args.hold_at:
+            end = time.monotonic() + 120
+            while not os.path.exists(args.hold_file) and time.monotonic() < end:
+                time.sleep(0.05)
         if me == 0 and not self.started:
             self.started = True
             print(f"attempt {attempt} started from {backup.restored_from} step "
