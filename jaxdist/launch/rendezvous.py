@@ -827,12 +827,13 @@ class RendezvousClient:
             self._local.session = session
         return session
 
-    def _send(self, method: str, request: bytes, req: dict, timeout_s: float) -> bytes:
-        """One request, over this thread's session or as a call of its own."""
+    def _send(self, method: str, message: bytes, req: dict, timeout_s: float) -> bytes:
+        """One request (``message``: as a session sends it), over this thread's session or as a
+        call of its own (encoded for that only then: a store of an older jaxdist)."""
         session = self._session()
         if session is not None:
             try:
-                return session.ask(_dumps({"m": method, **req}), timeout_s)
+                return session.ask(message, timeout_s)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -840,15 +841,16 @@ class RendezvousClient:
                     self._sessions = None
         if method not in self._stubs:
             self._stubs[method] = self._channel.stream_unary(f"/{_SERVICE}/{method}")
-        return self._stubs[method](iter((request,)), timeout=timeout_s, wait_for_ready=True,
-                                   metadata=self._metadata)
+        return self._stubs[method](iter((_dumps(req),)), timeout=timeout_s,
+                                   wait_for_ready=True, metadata=self._metadata)
 
     def _call(self, method: str, timeout_s: float | None = None, **req) -> Any:
-        request = _dumps(req)  # ValueError for a value the store would refuse
+        # Encoded once, as a session's message (ValueError for a value the store would refuse)
+        message = _dumps({"m": method, **req})
         end = time.monotonic() + (timeout_s or self._timeout)
         while True:
             try:
-                reply = self._send(method, request, req, max(0.01, end - time.monotonic()))
+                reply = self._send(method, message, req, max(0.01, end - time.monotonic()))
                 break
             except grpc.RpcError as e:
                 # A store busy refusing a flood of stalled calls, or one that cut this call as
