@@ -35,13 +35,15 @@ def test_async_training_reaches_95_percent_and_applies_each_step_once():
     assert strategy.num_replicas_in_sync == 3 and strategy.mesh is None
     with strategy.start(dj.init_params(), optax.adam(3e-3), dj.loss_fn) as coord:
         assert "ps0:" in strategy.placement_report() and "ps1:" in strategy.placement_report()
-        values = _train(coord, 600)
+        # 900 steps: 600 reached 0.972-0.981 here but 0.9499 once in CI (async staleness under
+        # load varies the result); 900 gives 0.972-0.986 here, under load too (2 busy loops beside)
+        values = _train(coord, 900)
         (_, _), (xt, yt) = dj.digits()
         acc = dj.accuracy(coord.fetch_params(), xt, yt)
         assert acc >= 0.95, acc
         assert values[-1].fetch() < values[0].fetch()
         _assert_each_step_applied_once(coord, values)
-        assert [s["version"] for s in coord.server_status()] == [600, 600]
+        assert [s["version"] for s in coord.server_status()] == [900, 900]
 
 
 def test_killed_worker_closures_are_rescheduled_and_applied_once():
