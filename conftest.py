@@ -106,7 +106,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_heavy)
 
 
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if _xdist_worker(session.config):
+        # A worker of `pytest -n N` removes only its own temporary root: /dev/shm and the real
+        # temporary directory hold the other workers' live files until the controller's check.
+        if exitstatus == 0:
+            shutil.rmtree(SUITE_TMP, ignore_errors=True)
+        return
     # Kept in-memory states of jobs the suite failed on purpose (a launcher keeps one for a
     # resume): the suite made them, the suite removes them.
     for name in _entries(_SHM) - _BEFORE[_SHM]:
