@@ -103,7 +103,22 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     # In-process tests first, the tests that start processes or run long last: a broken change
     # shows in minutes (with --maxfail, the run stops there), and the slow tier runs on a warm cache.
-    items.sort(key=_heavy)
+    items.sort(key=_order)
+
+
+# The slow tier's longest files first (CI's per-file table, December 2026): under `pytest -n 2` a
+# long test that starts last keeps one worker busy while the other has nothing left to do.
+_LONG_FIRST = ("test_gpt_bench.py", "test_elastic_faults.py", "test_examples.py",
+               "test_benchmarks.py", "test_elastic_multihost.py", "test_elastic.py",
+               "test_hardening_round5.py", "test_multi_worker.py", "test_steps_per_execution.py",
+               "test_elastic_tier_bound.py")
+
+
+def _order(item) -> tuple[int, int]:
+    if not _heavy(item):
+        return (0, 0)
+    name = item.path.name
+    return (1, _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST))
 
 
 def _xdist_worker(config) -> bool:

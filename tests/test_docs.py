@@ -121,7 +121,7 @@ def test_readme_is_a_short_front_door_with_the_quickstart():
     assert len(readme.splitlines()) <= 300
     quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     assert "```bash\npip install -e . && jaxdist train --strategy mirrored --devices 8\n```" in quickstart
-    assert "```bash\npip install -e \".[test]\" && python -m pytest -q\n```" in quickstart
+    assert "```bash\npip install -e \".[test]\" && python -m pytest -q -n 2\n```" in quickstart
     assert "@jaxdist.mirrored" in readme and "| strategy | where state lives |" in readme
 
 
