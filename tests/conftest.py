@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -45,12 +46,19 @@ def run_python(code_or_args, *, timeout: float, env: dict | None = None,
     if devices is not None:
         full_env["JAX_NUM_CPU_DEVICES"] = str(devices)
     args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
-    try:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                              timeout=timeout, env=full_env, cwd=REPO)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"subprocess did not finish within {timeout}s (a hang or deadlock); output:\n"
-                    f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-3000:]!r}")
+    # In a session of its own: on a timeout its whole group is killed, the processes it started
+    # too (a hung benchmark's workers once outlived their parent and the run, and held on)
+    with subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=full_env, cwd=REPO, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"subprocess did not finish within {timeout}s (a hang or deadlock); "
+                        f"output:\n{out[-3000:]!r}\n{err[-3000:]!r}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="session")
