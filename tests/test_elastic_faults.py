@@ -23,21 +23,19 @@ def test_a_joining_host_that_does_not_match_is_refused_and_the_job_goes_on(tmp_p
                                                                            difference):
     # before: every round aborted in gloo ("collective mismatch"), or in a reshape for another
     # device count, until every agent had spent its restarts; the healthy hosts' state was lost
-    # The job holds at step 8 until the joiner has been seen (a handshake, not a pace that a
-    # joiner slow to start on a loaded machine could miss)
-    hold = ["--hold-at", "8", "--hold-file", str(tmp_path / "joined")]
+    # The job holds at step 8 until the joiner has been seen (Hosts.hold: a handshake, not a pace
+    # that a joiner slow to start on a loaded machine could miss)
     train = ["--epochs", "4", "--sleep", "0.1"]  # 32 steps
     hosts = Hosts(tmp_path, last_call=1)
     for _ in range(2):
-        hosts.start(script_args=hold, train=train)
+        hosts.start(script_args=hosts.hold, train=train)
     hosts.wait_for(0, r"round 0: 2 host\(s\)")
     hosts.wait_for(0, r"\[0\] trained step 4 ")
     if difference == "model":
-        hosts.start(script_args=["--hidden", "64", *hold], train=train)
+        hosts.start(script_args=["--hidden", "64", *hosts.hold], train=train)
     else:
-        hosts.start(devices=3, script_args=hold, train=train)
-    hosts.wait_for(None, r"a host joins: asking every process to stop at step")
-    (tmp_path / "joined").touch()
+        hosts.start(devices=3, script_args=hosts.hold, train=train)
+    hosts.release_on_join()
     codes = hosts.finish()
     assert codes[:2] == [0, 0], hosts.text()
     assert codes[2] == 2, hosts.text(2)
@@ -155,15 +153,13 @@ def test_a_host_joins_a_sharded_job_and_the_state_is_put_together_over_the_netwo
         tmp_path, reference):
     # before: zero_stage 1-3 switched the tier off: the re-formed job went back to the backup
     train = ["--epochs", "4", "--sleep", "0.1", "--zero-stage", "1"]
-    hold = ["--hold-at", "8", "--hold-file", str(tmp_path / "joined")]  # (as above)
     hosts = Hosts(tmp_path, last_call=1)
     for _ in range(2):
-        hosts.start(script_args=hold, train=train)
+        hosts.start(script_args=hosts.hold, train=train)
     hosts.wait_for(0, r"round 0: 2 host\(s\)")
     hosts.wait_for(0, r"\[0\] trained step 4 ")
-    hosts.start(script_args=hold, train=train)
-    hosts.wait_for(None, r"a host joins: asking every process to stop at step")
-    (tmp_path / "joined").touch()
+    hosts.start(script_args=hosts.hold, train=train)
+    hosts.release_on_join()
     codes = hosts.finish()
     assert codes == [0, 0, 0], hosts.text()
     stop = int(re.search(r"asking every process to stop at step (\d+)", hosts.text())[1])

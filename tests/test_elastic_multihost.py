@@ -81,6 +81,17 @@ class Hosts:
         if i == 0:
             self.wait_for(0, "serving the rendezvous store")
 
+    @property
+    def hold(self) -> list[str]:
+        """ft_train.py's arguments that hold the job at step 8 until ``release_on_join``: a
+        handshake, so that a joiner slow to start on a loaded machine still joins a running job."""
+        return ["--hold-at", "8", "--hold-file", str(self.tmp / "joined")]
+
+    def release_on_join(self) -> None:
+        """Waits until an agent has seen a host join, then lets the held job go on."""
+        self.wait_for(None, r"a host joins: asking every process to stop at step")
+        (self.tmp / "joined").touch()
+
     def text(self, i=None):
         return "".join(p.read_text(errors="replace") for p in (
             self.logs if i is None else [self.logs[i]]))
@@ -183,16 +194,14 @@ def test_sigterm_to_an_agent_makes_its_host_leave_at_an_agreed_step(tmp_path, re
 
 def test_a_host_joins_at_a_step_boundary_with_the_state_of_a_live_peer(tmp_path, reference):
     hosts = Hosts(tmp_path, last_call=1)
-    # The job holds at step 8 until the joiner has been seen (a handshake: a joiner slow to start
-    # on a loaded machine once arrived after the job had ended, and ran nothing)
-    hold = ["--hold-at", "8", "--hold-file", str(tmp_path / "joined")]
+    # The job holds at step 8 until the joiner has been seen (a joiner slow to start on a loaded
+    # machine once arrived after the job had ended, and ran nothing)
     for _ in range(2):
-        hosts.start(script_args=hold)
+        hosts.start(script_args=hosts.hold)
     hosts.wait_for(0, r"round 0: 2 host\(s\)")
     hosts.wait_for(0, r"\[0\] trained step 4 ")
-    hosts.start(script_args=hold)  # its host has no state: it gets the step from a peer
-    hosts.wait_for(None, r"a host joins: asking every process to stop at step")
-    (tmp_path / "joined").touch()
+    hosts.start(script_args=hosts.hold)  # its host has no state: it gets the step from a peer
+    hosts.release_on_join()
     codes = hosts.finish()
     assert codes == [0, 0, 0], hosts.text()
     assert re.search(r"a host joins: asking every process to stop at step \d+", hosts.text())

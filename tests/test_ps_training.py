@@ -35,8 +35,8 @@ def test_async_training_reaches_95_percent_and_applies_each_step_once():
     assert strategy.num_replicas_in_sync == 3 and strategy.mesh is None
     with strategy.start(dj.init_params(), optax.adam(3e-3), dj.loss_fn) as coord:
         assert "ps0:" in strategy.placement_report() and "ps1:" in strategy.placement_report()
-        # 900 steps: 600 reached 0.972-0.981 here but 0.9499 once in CI (async staleness under
-        # load varies the result); 900 gives 0.972-0.986 here, under load too (2 busy loops beside)
+        # 900 steps: 600 reached 0.961-0.981 here (under load the lower end) and 0.9499 once in
+        # CI (async staleness varies the result); 900 gives 0.972-0.986, with 2 busy loops beside too
         values = _train(coord, 900)
         (_, _), (xt, yt) = dj.digits()
         acc = dj.accuracy(coord.fetch_params(), xt, yt)
