@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import pytest
+
 from jaxdist.launch import compile_cache
+from jaxdist.launch import launcher as launch
 from tests.conftest import REPO
 
 # Counts, in the child, the compilations that missed the cache (written to it) and those served
@@ -71,3 +75,30 @@ def test_entries_written_without_the_cap_are_healed(tmp_path):
     assert (tmp_path / "jit_f-abc-atime").exists()
     assert (tmp_path / "jit_g-def-atime").read_bytes() == (1).to_bytes(8, "little")
     assert compile_cache.heal(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.multiprocess
+def test_a_multi_process_cpu_job_runs_again_with_the_same_cache(tmp_path):
+    # jax 0.12.x: a CPU executable with a cross-process collective, read back from the
+    # persistent cache, waits in its collective for good; jaxdist.initialize turns the cache off
+    # for such a process there, and keeps it where it works (the second run then reads it).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE",
+                                "JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID",
+                                "JAX_NUM_CPU_DEVICES", "TF_CONFIG"))}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), PYTHONPATH=REPO,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAXDIST_TEST_OWN_CACHE="1",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    counts = []
+    for _ in range(2):
+        result = launch.run([os.path.join(REPO, "tests", "_mp_scripts", "psum_cached.py")],
+                            num_processes=2, devices_per_process=2, timeout_s=90, env=env)
+        assert result.returncode == 0, result.output
+        lines = [ln.split("] ", 1)[1] for ln in result.output.splitlines() if "] psum " in ln]
+        assert len(lines) == 2 and all(ln.startswith("psum 10.0 ") for ln in lines), result.output
+        counts.append([json.loads(ln.split(" cache ", 1)[1]) for ln in lines])
+    broken = compile_cache._version(jax.__version__) >= compile_cache._CPU_MULTIPROCESS_BROKEN_FROM
+    if broken:
+        assert all(c["hits"] == 0 and c["misses"] == 0 for run in counts for c in run), counts
+    else:  # (process 0 reads it; JAX leaves the others to compile on their own)
+        assert sum(c["hits"] for c in counts[1]) > 0, counts

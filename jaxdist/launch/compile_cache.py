@@ -18,6 +18,13 @@ Known limit (XLA:CPU, seen with jax 0.10.2): an executable with a collective-per
 participating threads") when it is read back from the cache. jaxdist's own ``ring`` all-reduce
 unrolls its loop on the CPU for that reason; a step of your own that does this on the CPU needs
 ``JAXDIST_COMPILE_CACHE=0`` (or ``--no-compile-cache``).
+
+Known limit (XLA:CPU, jax 0.12.x; not 0.10.2 or 0.11.2): an executable with a cross-process
+collective that is read back from the cache never completes its collective (both processes wait
+in it for good). A process of a multi-process job on the CPU therefore compiles without the
+cache under those versions: ``jaxdist.initialize`` turns it off there and logs why
+(`off_for_multiprocess_cpu`). A script that joins with ``jax.distributed.initialize`` alone,
+without jaxdist's, needs ``JAXDIST_COMPILE_CACHE=0`` on those versions.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import os
 import time
 from collections.abc import Mapping
 
-__all__ = ["ENV_CACHE", "ENV_CACHE_MAX_BYTES", "cache_dir", "cache_env", "enable"]
+__all__ = ["ENV_CACHE", "ENV_CACHE_MAX_BYTES", "cache_dir", "cache_env", "enable",
+           "off_for_multiprocess_cpu"]
 
 ENV_CACHE = "JAXDIST_COMPILE_CACHE"
 ENV_CACHE_MAX_BYTES = "JAXDIST_COMPILE_CACHE_MAX_BYTES"
@@ -161,3 +169,73 @@ def enable(environ: Mapping[str, str] | None = None) -> str | None:
         option, kind = options[var]
         jax.config.update(option, kind(value))
     return where
+
+
+# The first JAX release whose CPU executables, read back from the persistent cache, hang in
+# cross-process collectives (0.11.2 does not; 0.12.1 does, and no later release is known to be
+# fixed).
+_CPU_MULTIPROCESS_BROKEN_FROM = (0, 12)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.12.1"`` -> ``(0, 12, 1)``; a suffix (``rc1``, ``.dev``) ends the number.
+
+    >>> _version("0.12.1"), _version("0.13.0rc1"), _version("0.12.dev20260101")
+    ((0, 12, 1), (0, 13, 0), (0, 12))
+    """
+    parts = []
+    for part in text.split("."):
+        digits = part[:len(part) - len(part.lstrip("0123456789"))]
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    return tuple(parts)
+
+
+def _runs_on_cpu() -> bool:
+    """Whether this process's JAX will run on the CPU, decided without starting its backend:
+    the platform JAX is told to use first (``JAX_PLATFORMS``), else whether an accelerator's
+    plugin (CUDA, ROCm, TPU) is installed for JAX to pick."""
+    import importlib.metadata
+
+    import jax
+
+    platforms = str(jax.config.jax_platforms or "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return False
+    return importlib.util.find_spec("libtpu") is None
+
+
+def off_for_multiprocess_cpu(num_processes: int, jax_version: str | None = None,
+                             on_cpu: bool | None = None) -> bool:
+    """Turns the persistent cache off in this process when it is one of a multi-process job on
+    the CPU under a JAX whose cached CPU executables hang in cross-process collectives (0.12 and
+    later); returns whether it did. Call it after joining, before the first compilation.
+
+    >>> off_for_multiprocess_cpu(1, "0.12.1", True), off_for_multiprocess_cpu(2, "0.11.2", True)
+    (False, False)
+    >>> off_for_multiprocess_cpu(2, "0.12.1", on_cpu=False)
+    False
+    """
+    import jax
+
+    if num_processes <= 1:
+        return False
+    if _version(jax_version or jax.__version__) < _CPU_MULTIPROCESS_BROKEN_FROM:
+        return False
+    if not (on_cpu if on_cpu is not None else _runs_on_cpu()):
+        return False
+    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    import logging
+
+    logging.getLogger(__name__).info(
+        "persistent compilation cache off in this process: on jax %s, CPU executables read back "
+        "from it hang in cross-process collectives (a job of %d processes)", jax.__version__,
+        num_processes)
+    return True

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from jaxdist.launch import compile_cache
 from jaxdist.launch._placement import slurm_local_device_ids
 from jaxdist.launch.cluster import (
     ENV_JOIN_ON_IMPORT,
@@ -95,6 +96,8 @@ def initialize(cluster: ClusterSpec | None = None, *,
                         "distributed runtime", spec.task_type, spec.task_index)
         elif spec.num_processes > 1:
             _join(spec, timeout_s)
+        if spec.is_jax_process:
+            compile_cache.off_for_multiprocess_cpu(spec.num_processes)
         _current = spec
         return spec
 
