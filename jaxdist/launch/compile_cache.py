@@ -202,7 +202,7 @@ def _runs_on_cpu() -> bool:
 
     import jax
 
-    platforms = str(jax.config.jax_platforms or "").strip()
+    platforms = str(getattr(jax.config, "jax_platforms", None) or "").strip()
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
     if importlib.metadata.entry_points(group="jax_plugins"):
@@ -229,7 +229,8 @@ def off_for_multiprocess_cpu(num_processes: int, jax_version: str | None = None,
         return False
     if not (on_cpu if on_cpu is not None else _runs_on_cpu()):
         return False
-    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+    if not (getattr(jax.config, "jax_enable_compilation_cache", True)
+            and getattr(jax.config, "jax_compilation_cache_dir", None)):
         return False
     jax.config.update("jax_enable_compilation_cache", False)
     import logging
