@@ -78,21 +78,29 @@ def test_entries_written_without_the_cap_are_healed(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_multi_process_cpu_job_runs_again_with_the_same_cache(tmp_path):
+@pytest.mark.parametrize("script", ["jaxdist", "plain"])
+def test_a_multi_process_cpu_job_runs_again_with_the_same_cache(tmp_path, monkeypatch, script):
     # jax 0.12.x: a CPU executable with a cross-process collective, read back from the
-    # persistent cache, waits in its collective for good; jaxdist.initialize turns the cache off
-    # for such a process there, and keeps it where it works (the second run then reads it).
+    # persistent cache, waits in its collective for good. A jaxdist script is given a cache by
+    # the environment (jaxdist.initialize turns it off in such a process); a plain JAX script
+    # under the launcher gets the launcher's default cache (which the launcher then withholds).
+    # Where the cache works (older JAX), the second run reads it.
+    for name in list(os.environ):  # the launcher reads its own environment for the cache too
+        if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE")):
+            monkeypatch.delenv(name)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE",
-                                "JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID",
-                                "JAX_NUM_CPU_DEVICES", "TF_CONFIG"))}
-    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), PYTHONPATH=REPO,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAXDIST_TEST_OWN_CACHE="1",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+           if k not in ("JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID",
+                        "JAX_NUM_CPU_DEVICES", "TF_CONFIG")}
+    env.update(PYTHONPATH=REPO, JAXDIST_TEST_OWN_CACHE="1", XDG_CACHE_HOME=str(tmp_path))
+    if script == "jaxdist":
+        env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    job = [os.path.join(REPO, "tests", "_mp_scripts", "psum_cached.py"),
+           *(["--plain"] if script == "plain" else [])]
     counts = []
     for _ in range(2):
-        result = launch.run([os.path.join(REPO, "tests", "_mp_scripts", "psum_cached.py")],
-                            num_processes=2, devices_per_process=2, timeout_s=90, env=env)
+        result = launch.run(job, num_processes=2, devices_per_process=2, timeout_s=90, env=env)
         assert result.returncode == 0, result.output
         lines = [ln.split("] ", 1)[1] for ln in result.output.splitlines() if "] psum " in ln]
         assert len(lines) == 2 and all(ln.startswith("psum 10.0 ") for ln in lines), result.output
@@ -100,5 +108,7 @@ def test_a_multi_process_cpu_job_runs_again_with_the_same_cache(tmp_path):
     broken = compile_cache._version(jax.__version__) >= compile_cache._CPU_MULTIPROCESS_BROKEN_FROM
     if broken:
         assert all(c["hits"] == 0 and c["misses"] == 0 for run in counts for c in run), counts
+        if script == "plain":
+            assert "no persistent compilation cache for this job" in result.output, result.output
     else:  # (process 0 reads it; JAX leaves the others to compile on their own)
         assert sum(c["hits"] for c in counts[1]) > 0, counts

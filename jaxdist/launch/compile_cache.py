@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping
 
 __all__ = ["ENV_CACHE", "ENV_CACHE_MAX_BYTES", "cache_dir", "cache_env", "enable",
-           "off_for_multiprocess_cpu"]
+           "cache_hangs", "off_for_multiprocess_cpu"]
 
 ENV_CACHE = "JAXDIST_COMPILE_CACHE"
 ENV_CACHE_MAX_BYTES = "JAXDIST_COMPILE_CACHE_MAX_BYTES"
@@ -194,40 +194,60 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _runs_on_cpu() -> bool:
-    """Whether this process's JAX will run on the CPU, decided without starting its backend:
-    the platform JAX is told to use first (``JAX_PLATFORMS``), else whether an accelerator's
-    plugin (CUDA, ROCm, TPU) is installed for JAX to pick."""
+def _runs_on_cpu(platforms: str | None = None) -> bool:
+    """Whether JAX will run on the CPU, decided without starting its backend: the first platform
+    JAX is told to use (``platforms``, else this process's ``jax_platforms``), else whether an
+    accelerator's plugin (CUDA, ROCm, TPU) is installed for JAX to pick.
+
+    >>> _runs_on_cpu("cpu"), _runs_on_cpu("cuda,cpu")
+    (True, False)
+    """
     import importlib.metadata
 
-    import jax
+    if platforms is None:
+        import jax
 
-    platforms = str(getattr(jax.config, "jax_platforms", None) or "").strip()
-    if platforms:
+        platforms = str(getattr(jax.config, "jax_platforms", None) or "")
+    if platforms.strip():
         return platforms.split(",")[0].strip().lower() == "cpu"
     if importlib.metadata.entry_points(group="jax_plugins"):
         return False
     return importlib.util.find_spec("libtpu") is None
 
 
-def off_for_multiprocess_cpu(num_processes: int, jax_version: str | None = None,
-                             on_cpu: bool | None = None) -> bool:
-    """Turns the persistent cache off in this process when it is one of a multi-process job on
-    the CPU under a JAX whose cached CPU executables hang in cross-process collectives (0.12 and
-    later); returns whether it did. Call it after joining, before the first compilation.
+def cache_hangs(num_processes: int, platforms: str | None = None,
+                jax_version: str | None = None) -> bool:
+    """Whether a job of ``num_processes`` processes would hang reading its executables from the
+    persistent cache: several processes on the CPU (``platforms`` as ``JAX_PLATFORMS`` reads;
+    None: this process's setting) under JAX 0.12 or later (``jax_version``; None: the installed
+    one, read without importing JAX).
 
-    >>> off_for_multiprocess_cpu(1, "0.12.1", True), off_for_multiprocess_cpu(2, "0.11.2", True)
+    >>> cache_hangs(1, "cpu", "0.12.1"), cache_hangs(2, "cpu", "0.11.2")
     (False, False)
-    >>> off_for_multiprocess_cpu(2, "0.12.1", on_cpu=False)
-    False
+    >>> cache_hangs(2, "cpu", "0.12.1"), cache_hangs(2, "cuda", "0.12.1")
+    (True, False)
     """
-    import jax
-
     if num_processes <= 1:
         return False
-    if _version(jax_version or jax.__version__) < _CPU_MULTIPROCESS_BROKEN_FROM:
+    if jax_version is None:
+        import importlib.metadata
+
+        try:
+            jax_version = importlib.metadata.version("jax")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    if _version(jax_version) < _CPU_MULTIPROCESS_BROKEN_FROM:
         return False
-    if not (on_cpu if on_cpu is not None else _runs_on_cpu()):
+    return _runs_on_cpu(platforms)
+
+
+def off_for_multiprocess_cpu(num_processes: int) -> bool:
+    """Turns the persistent cache off in this process when it is one of a multi-process job
+    whose cached executables would hang (`cache_hangs`); returns whether it did. Call it after
+    joining, before the first compilation (``jaxdist.initialize`` does)."""
+    import jax
+
+    if not cache_hangs(num_processes, jax_version=jax.__version__):
         return False
     if not (getattr(jax.config, "jax_enable_compilation_cache", True)
             and getattr(jax.config, "jax_compilation_cache_dir", None)):

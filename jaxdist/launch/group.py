@@ -310,6 +310,19 @@ class _Launcher:
                 f"jaxdist-xla-cache-{os.getpid()}-", tempfile.gettempdir())
         return self._cache_dir
 
+    def _cache_hangs(self, env: Mapping[str, str], num_processes: int) -> bool:
+        """Whether this job's processes would hang reading executables from a persistent cache
+        (several processes on the CPU under jax 0.12: `compile_cache.cache_hangs`); said once."""
+        cpu = self._options.devices_per_process is not None and self._gpus is None
+        hangs = compile_cache.cache_hangs(num_processes,
+                                          env.get("JAX_PLATFORMS") or ("cpu" if cpu else ""))
+        if hangs and not getattr(self, "_said_cache_off", False):
+            self._said_cache_off = True
+            self.say("no persistent compilation cache for this job: on this JAX (0.12), the "
+                     "executables of a multi-process job on the CPU, read back from one, hang in "
+                     "their collectives")
+        return hangs
+
     def child_env(self, extra: Mapping[str, str], attempt: int, *,
                   local_rank: int | None = None, group_rank: int = 0,
                   group_world_size: int = 1) -> dict[str, str]:
@@ -357,13 +370,19 @@ class _Launcher:
         # it off). The cache lives on disk, not in the tier's shared memory: a full /dev/shm must
         # not leave truncated entries that every restart reads again.
         cached = compile_cache.cache_env({**os.environ, **env})
+        # (none where the job's executables would hang when read back from one)
+        hangs = (local_rank is not None
+                 and bool(cached or (self._state_dir and not env.get("JAX_COMPILATION_CACHE_DIR")))
+                 and self._cache_hangs(env, int(extra[ENV_NUM_PROCESSES])))
+        if hangs:
+            cached = {}
         if cached and not getattr(self, "_cache_healed", False):
             compile_cache.heal(cached.get("JAX_COMPILATION_CACHE_DIR", ""))
             self._cache_healed = True
         env.update(cached)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
-            if not cached and not env.get("JAX_COMPILATION_CACHE_DIR"):
+            if not cached and not env.get("JAX_COMPILATION_CACHE_DIR") and not hangs:
                 # Cache turned off: restarts of this job still skip compilation (its own cache,
                 # removed with the job).
                 env["JAX_COMPILATION_CACHE_DIR"] = self._compile_cache()

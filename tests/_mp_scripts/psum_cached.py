@@ -1,7 +1,11 @@
 """2 processes x 2 CPU devices: a psum across the processes, compiled with the persistent cache
-the environment names; prints the sum and how many compilations the cache served."""
+the environment names; prints the sum and how many compilations the cache served. With
+``--plain``: a JAX script that never imports jaxdist (it joins with jax.distributed.initialize
+from the launcher's variables)."""
 
 import json
+import os
+import sys
 
 import jax
 
@@ -19,7 +23,12 @@ jax.monitoring.register_event_listener(_count)
 
 import numpy as np  # noqa: E402
 
-import jaxdist  # noqa: E402, F401  (joins the job the launcher started)
+if "--plain" in sys.argv:
+    jax.distributed.initialize(os.environ["JAXDIST_COORDINATOR"],
+                               int(os.environ["JAXDIST_NUM_PROCESSES"]),
+                               int(os.environ["JAXDIST_PROCESS_ID"]))
+else:
+    import jaxdist  # noqa: F401  (joins the job the launcher started)
 
 me = jax.process_index()
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
