@@ -250,6 +250,33 @@ def test_the_stacks_header_comes_before_every_stack_line(tmp_path, monkeypatch):
         proc.wait()
 
 
+def test_the_failure_named_is_the_process_that_began_to_fail_first(tmp_path):
+    # jax 0.12.1 on the CPU: rank 1 raises; rank 0's collective fails as soon as rank 1 leaves
+    # the job, and rank 0 exited first while rank 1 ran its exit handlers: the launcher named
+    # rank 0 ("rank 0 exited with code 1"). Each failing process marks when it began to fail.
+    from jaxdist.launch import group, statedir
+
+    class Proc:
+        def __init__(self, code, exits_after=0.0):
+            self.code, self.at = code, time.monotonic() + exits_after
+
+        def poll(self):
+            return self.code if time.monotonic() >= self.at else None
+
+    launcher = group._Launcher(["train.py"], group._Options(num_processes=3),
+                               lambda stream, data: None, _env(), None)
+    launcher._state_dir = str(tmp_path)
+    launcher._attempt_started = time.time() - 1
+    procs = [Proc(1), Proc(3, exits_after=0.3), Proc(None, exits_after=1e9)]
+    assert launcher._first_failure(procs, [(0, 1)]) == (0, 1)  # no marks: as before
+    statedir.mark_failing(str(tmp_path), 1)
+    time.sleep(0.01)
+    statedir.mark_failing(str(tmp_path), 0)
+    assert launcher._first_failure(procs, [(0, 1)]) == (1, 3)  # waited for rank 1's exit
+    launcher._attempt_started = time.time() + 1  # an earlier attempt's marks do not count
+    assert launcher._first_failure(procs, [(0, 1)]) == (0, 1)
+
+
 def test_an_error_that_comes_back_is_the_same_fault_whichever_rank_raised_it_first():
     # before: the signature held the rank, so when every rank raised the same error and another
     # rank happened to exit first, the launcher restarted once more (CI: restarts == 2, not 1)

@@ -52,6 +52,7 @@ _STACKS_S = 2.0
 # How long the survivors of a failure get to write their newest copy of the state (plus a
 # second per 500 MB of it).
 _FLUSH_S = 3.0
+_FIRST_FAILURE_WAIT_S = 12.0  # a failing process's exit handlers get 10 s (runtime._LEAVE_HANDLERS_S)
 _ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Exit|Interrupt|Full|Failure)|"
                          r"[\w.]*BadZipFile|Killed|Segmentation fault|Fatal Python error)\b.*")
 
@@ -618,6 +619,28 @@ class _Launcher:
         finally:
             self.end_group(list(procs.values()), readers)
 
+    def _first_failure(self, procs: list[subprocess.Popen],
+                       failed: list[tuple[int, int]]) -> tuple[int, int]:
+        """The failed ``(rank, code)`` to name: the process that began to fail first, by the
+        marks failing processes leave in the state directory before their exit handlers run
+        (``statedir.mark_failing``), else the lowest rank that exited. A peer whose collective
+        fails as soon as the failing process leaves the job (jax 0.12 on the CPU) may exit
+        before that process's handlers are done: this waits for the first one's exit
+        (its handlers are bounded, runtime._LEAVE_HANDLERS_S)."""
+        if self._state_dir is None:
+            return failed[0]
+        marks = {r: statedir.failing_since(self._state_dir, r) for r in range(len(procs))}
+        since = getattr(self, "_attempt_started", 0.0)  # an earlier attempt's marks do not count
+        started = sorted((t, r) for r, t in marks.items() if t is not None and t >= since)
+        if not started:
+            return failed[0]
+        first = started[0][1]
+        end = time.monotonic() + _FIRST_FAILURE_WAIT_S
+        while procs[first].poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        code = procs[first].poll()
+        return (first, code) if code not in (None, 0) else failed[0]
+
     def _supervise(self, procs: list[subprocess.Popen],
                    deadline: float | None) -> tuple[int, str | None]:
         detector = HangDetector(self._state_dir or "/nonexistent",
@@ -625,13 +648,14 @@ class _Launcher:
                                 timeout_s=self._options.hang_timeout_s)
         host = socket.gethostname()
         next_check = 0.0
+        self._attempt_started = time.time() - 1.0  # (the processes started just before)
         while True:
             if self._signal is not None:
                 return self.forward_and_wait(procs), "interrupted"
             codes = [proc.poll() for proc in procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                rank, code = self._first_failure(procs, failed)
                 others = [p for p in procs if p.poll() is None]
                 self.say(f"rank {rank} {describe_exit(code)}; killing the other "
                          f"{len(others)} running process(es)")

@@ -439,6 +439,7 @@ def _leave_after_error() -> None:
     if code is None:
         return
     try:
+        _mark_failing()
         import atexit
         import threading
 
@@ -457,6 +458,20 @@ def _leave_after_error() -> None:
         _flush_open_files()
     finally:
         os._exit(code)
+
+
+def _mark_failing() -> None:
+    """Tells the launcher when this process began to fail (``statedir.mark_failing``)."""
+    directory = os.environ.get("JAXDIST_STATE_DIR")
+    rank = _current.process_id if _current is not None else os.environ.get("JAXDIST_PROCESS_ID")
+    if not directory or rank is None:
+        return
+    try:
+        from jaxdist.launch import statedir
+
+        statedir.mark_failing(directory, rank)
+    except OSError:  # a full /dev/shm: the launcher then names the first process it saw exit
+        pass
 
 
 def _flush_open_files() -> None:
