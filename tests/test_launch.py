@@ -242,7 +242,8 @@ def test_the_stacks_header_comes_before_every_stack_line(tmp_path, monkeypatch):
         launcher.dump_stacks({0: proc.pid})
         monkeypatch.undo()
         text = "".join(lines)
-        assert re.search(r"\[0\]   File \".*registered\.py\", line 5 in <module>", text), text
+        # (line 4 when the signal lands before the print has returned: once under -n 2; else 5)
+        assert re.search(r"\[0\]   File \".*registered\.py\", line [45] in <module>", text), text
         header = text.index("rank(s) [0]: their Python stacks follow")
         assert header < text.index("[0] Current thread"), text
     finally:
