@@ -31,10 +31,13 @@ print("COUNTS", json.dumps({**seen, "rc": rc}))
 """
 
 
+# The cache's own variables: a test of the cache's defaults starts without the suite's.
+_CACHE_VARS = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE")
+
+
 def _train(home, *args):
     # This test checks the CLI's own default: no cache from the suite, a home of its own.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_CACHE_VARS)}
     env.update(XDG_CACHE_HOME=str(home), JAXDIST_TEST_OWN_CACHE="1", PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, "-c", COUNT, *args], capture_output=True, text=True,
                           timeout=240, env=env, cwd=REPO)
@@ -86,7 +89,7 @@ def test_a_multi_process_cpu_job_runs_again_with_the_same_cache(tmp_path, monkey
     # under the launcher gets the launcher's default cache (which the launcher then withholds).
     # Where the cache works (older JAX), the second run reads it.
     for name in list(os.environ):  # the launcher reads its own environment for the cache too
-        if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXDIST_COMPILE")):
+        if name.startswith(_CACHE_VARS):
             monkeypatch.delenv(name)
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID",

@@ -267,15 +267,15 @@ def test_the_failure_named_is_the_process_that_began_to_fail_first(tmp_path):
     launcher = group._Launcher(["train.py"], group._Options(num_processes=3),
                                lambda stream, data: None, _env(), None)
     launcher._state_dir = str(tmp_path)
-    launcher._attempt_started = time.time() - 1
+    since = time.time() - 1
     procs = [Proc(1), Proc(3, exits_after=0.3), Proc(None, exits_after=1e9)]
-    assert launcher._first_failure(procs, [(0, 1)]) == (0, 1)  # no marks: as before
+    assert launcher._first_failure(procs, [(0, 1)], since) == (0, 1)  # no marks: as before
     statedir.mark_failing(str(tmp_path), 1)
     time.sleep(0.01)
     statedir.mark_failing(str(tmp_path), 0)
-    assert launcher._first_failure(procs, [(0, 1)]) == (1, 3)  # waited for rank 1's exit
-    launcher._attempt_started = time.time() + 1  # an earlier attempt's marks do not count
-    assert launcher._first_failure(procs, [(0, 1)]) == (0, 1)
+    assert launcher._first_failure(procs, [(0, 1)], since) == (1, 3)  # waited for rank 1's exit
+    # an earlier attempt's marks do not count
+    assert launcher._first_failure(procs, [(0, 1)], time.time() + 1) == (0, 1)
 
 
 def test_an_error_that_comes_back_is_the_same_fault_whichever_rank_raised_it_first():

@@ -23,8 +23,9 @@ Known limit (XLA:CPU, jax 0.12.x; not 0.10.2 or 0.11.2): an executable with a cr
 collective that is read back from the cache never completes its collective (both processes wait
 in it for good). A process of a multi-process job on the CPU therefore compiles without the
 cache under those versions: ``jaxdist.initialize`` turns it off there and logs why
-(`off_for_multiprocess_cpu`). A script that joins with ``jax.distributed.initialize`` alone,
-without jaxdist's, needs ``JAXDIST_COMPILE_CACHE=0`` on those versions.
+(`off_for_multiprocess_cpu`), and ``jaxdist launch`` gives such a job no cache of its own (and
+says so). A script that joins with ``jax.distributed.initialize`` alone, outside the launcher or
+with ``JAX_COMPILATION_CACHE_DIR`` set by hand, needs the cache off on those versions.
 """
 
 from __future__ import annotations

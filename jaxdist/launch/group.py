@@ -371,21 +371,21 @@ class _Launcher:
         # it off). The cache lives on disk, not in the tier's shared memory: a full /dev/shm must
         # not leave truncated entries that every restart reads again.
         cached = compile_cache.cache_env({**os.environ, **env})
-        # (none where the job's executables would hang when read back from one)
-        hangs = (local_rank is not None
-                 and bool(cached or (self._state_dir and not env.get("JAX_COMPILATION_CACHE_DIR")))
-                 and self._cache_hangs(env, int(extra[ENV_NUM_PROCESSES])))
-        if hangs:
-            cached = {}
+        # Cache turned off: restarts of this job still skip compilation (its own cache, removed
+        # with the job).
+        own = (self._state_dir is not None and not cached
+               and not env.get("JAX_COMPILATION_CACHE_DIR"))
+        # Neither, where the job's executables would hang when read back from a cache.
+        if (local_rank is not None and (cached or own)
+                and self._cache_hangs(env, int(extra[ENV_NUM_PROCESSES]))):
+            cached, own = {}, False
         if cached and not getattr(self, "_cache_healed", False):
             compile_cache.heal(cached.get("JAX_COMPILATION_CACHE_DIR", ""))
             self._cache_healed = True
         env.update(cached)
         if self._state_dir is not None:
             env[ENV_STATE_DIR] = self._state_dir
-            if not cached and not env.get("JAX_COMPILATION_CACHE_DIR") and not hangs:
-                # Cache turned off: restarts of this job still skip compilation (its own cache,
-                # removed with the job).
+            if own:
                 env["JAX_COMPILATION_CACHE_DIR"] = self._compile_cache()
                 env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
                 env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -619,18 +619,18 @@ class _Launcher:
         finally:
             self.end_group(list(procs.values()), readers)
 
-    def _first_failure(self, procs: list[subprocess.Popen],
-                       failed: list[tuple[int, int]]) -> tuple[int, int]:
+    def _first_failure(self, procs: list[subprocess.Popen], failed: list[tuple[int, int]],
+                       since: float) -> tuple[int, int]:
         """The failed ``(rank, code)`` to name: the process that began to fail first, by the
         marks failing processes leave in the state directory before their exit handlers run
         (``statedir.mark_failing``), else the lowest rank that exited. A peer whose collective
         fails as soon as the failing process leaves the job (jax 0.12 on the CPU) may exit
         before that process's handlers are done: this waits for the first one's exit
-        (its handlers are bounded, runtime._LEAVE_HANDLERS_S)."""
+        (its handlers are bounded, runtime._LEAVE_HANDLERS_S). Marks older than ``since`` (the
+        attempt's start, ``time.time()``) are an earlier attempt's."""
         if self._state_dir is None:
             return failed[0]
         marks = {r: statedir.failing_since(self._state_dir, r) for r in range(len(procs))}
-        since = getattr(self, "_attempt_started", 0.0)  # an earlier attempt's marks do not count
         started = sorted((t, r) for r, t in marks.items() if t is not None and t >= since)
         if not started:
             return failed[0]
@@ -648,14 +648,14 @@ class _Launcher:
                                 timeout_s=self._options.hang_timeout_s)
         host = socket.gethostname()
         next_check = 0.0
-        self._attempt_started = time.time() - 1.0  # (the processes started just before)
+        started = time.time() - 1.0  # (the processes started just before)
         while True:
             if self._signal is not None:
                 return self.forward_and_wait(procs), "interrupted"
             codes = [proc.poll() for proc in procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank, code = self._first_failure(procs, failed)
+                rank, code = self._first_failure(procs, failed, started)
                 others = [p for p in procs if p.poll() is None]
                 self.say(f"rank {rank} {describe_exit(code)}; killing the other "
                          f"{len(others)} running process(es)")

@@ -124,19 +124,22 @@ def read_outcome(directory: str, rank: int | str) -> dict | None:
     return _read_json(outcome_path(directory, rank))
 
 
+def failing_path(directory: str, rank: int | str) -> str:
+    """Where process ``rank`` says when it began to fail (`mark_failing`)."""
+    return os.path.join(directory, str(rank), "failing")
+
+
 def mark_failing(directory: str, rank: int | str) -> None:
     """Process ``rank`` says when it began to fail (its uncaught exception or non-zero
     ``sys.exit``), before its exit handlers run: the launcher names the process that failed
     first, not a peer whose collective failed when this one left the job and that exited sooner."""
-    os.makedirs(os.path.join(directory, str(rank)), exist_ok=True)
-    with open(os.path.join(directory, str(rank), "failing"), "w") as f:
-        f.write(repr(time.time()))
+    write_atomic(failing_path(directory, rank), repr(time.time()).encode())
 
 
 def failing_since(directory: str, rank: int | str) -> float | None:
     """When process ``rank`` began to fail (`mark_failing`), or None."""
     try:
-        with open(os.path.join(directory, str(rank), "failing")) as f:
+        with open(failing_path(directory, rank)) as f:
             return float(f.read())
     except (OSError, ValueError):
         return None
