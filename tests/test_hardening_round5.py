@@ -69,6 +69,31 @@ def test_a_failing_rank_keeps_what_the_script_wrote_and_ends_the_job_at_once(tmp
         assert "custom hook: Traceback" in out, out
 
 
+def test_exit_handlers_that_never_finish_end_at_the_guard_with_the_failures_status(monkeypatch):
+    # The bound on a failing process's exit handlers is a thread started while the process runs:
+    # from Python 3.12 on none can start at interpreter shutdown (the handlers' own thread failed
+    # there, and the process left without running them). Here the guard is armed as a failing
+    # exit arms it, with a handler that never returns; it must end the "process" with the status.
+    import threading
+
+    from jaxdist.launch import runtime
+
+    ended = []
+    done = threading.Event()
+
+    def fake_exit(code):
+        ended.append(code)
+        done.set()
+    monkeypatch.setattr(runtime, "_LEAVE_HANDLERS_S", 0.2)
+    monkeypatch.setattr(runtime.os, "_exit", fake_exit)
+    guard = runtime._ExitGuard()
+    guard.start()
+    assert not done.wait(0.3)  # not armed: it never ends a healthy process
+    guard.arm(3)
+    assert done.wait(30), "the guard did not end the process"
+    assert ended == [3]
+
+
 @pytest.mark.multiprocess
 def test_fit_with_raw_arrays_is_one_job_across_the_processes():
     # before: rank 1 failed in DistributedDataset._keep_on_device ("min() arg is an empty

@@ -383,6 +383,7 @@ def _shutdown_at_exit() -> None:
         # Runs at interpreter shutdown before it joins non-daemon threads (those of a loop whose
         # peers wait in a collective would never end), however the main code ended: whatever
         # excepthook the script installed, and for sys.exit too.
+        _exit_guard.start()  # now: no thread can start once the interpreter is ending
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(_leave_after_error)
@@ -432,8 +433,9 @@ def _leave_after_error() -> None:
     collective: the job hung until the hang timeout blamed a healthy rank. What the shutdown is
     for (peers that see a clean leave) does not apply to a process that failed: the launcher
     ends the group as soon as one exits. So: the script's ``atexit`` handlers (at most
-    ``_LEAVE_HANDLERS_S``; ``logging.shutdown`` is one of them), every open file flushed, the
-    heartbeat's last progress written, then ``os._exit`` with the failure's status.
+    ``_LEAVE_HANDLERS_S``, bounded by ``_exit_guard``; ``logging.shutdown`` is one of them; JAX's
+    own finds no runtime to leave), every open file flushed, the heartbeat's last progress
+    written, then ``os._exit`` with the failure's status.
     """
     code = _failure_code()
     if code is None:
@@ -441,23 +443,65 @@ def _leave_after_error() -> None:
     try:
         _mark_failing()
         import atexit
-        import threading
 
         from jaxdist.launch import heartbeat
 
         beat = heartbeat._current  # made by the training loop, if it ran
         if beat is not None:
             beat.close()
-        runner = threading.Thread(target=atexit._run_exitfuncs, name="jaxdist-exit-handlers",
-                                  daemon=True)
-        runner.start()
-        runner.join(_LEAVE_HANDLERS_S)
-        if runner.is_alive():
-            logger.warning("the exit handlers did not finish within %g s; leaving without them",
-                           _LEAVE_HANDLERS_S)
+        _detach_from_the_job()
+        # On this (the main) thread: Python 3.12 starts no thread once the interpreter is ending.
+        _exit_guard.arm(code)
+        atexit._run_exitfuncs()
         _flush_open_files()
     finally:
         os._exit(code)
+
+
+_detached: list = []  # the runtime's objects a failing process let go of, kept alive to the end
+
+
+def _detach_from_the_job() -> None:
+    """Makes JAX's own exit handler (``jax.distributed.shutdown``, whose barrier waits for peers
+    that wait for this process in a collective) find no runtime to leave. The objects are kept,
+    not destroyed: a destructor could wait the same way."""
+    state = _distributed_state()
+    for name in ("preemption_sync_manager", "client", "service"):
+        _detached.append(getattr(state, name, None))
+        setattr(state, name, None)
+
+
+class _ExitGuard:
+    """A thread started while the process runs that, once armed by a failing exit, ends the
+    process ``_LEAVE_HANDLERS_S`` later if the exit handlers have not finished (one of them may
+    wait for a peer that will never come). It has to exist beforehand: from Python 3.12 on, no
+    thread can be started at interpreter shutdown, where ``_leave_after_error`` runs."""
+
+    def __init__(self) -> None:
+        self._armed = threading.Event()
+        self._code = 1
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="jaxdist-exit-guard",
+                                            daemon=True)
+            self._thread.start()
+
+    def arm(self, code: int) -> None:
+        self._code = code
+        self._armed.set()
+
+    def _watch(self) -> None:
+        self._armed.wait()
+        time.sleep(_LEAVE_HANDLERS_S)
+        logger.warning("the exit handlers did not finish within %g s; leaving without them",
+                       _LEAVE_HANDLERS_S)
+        _flush_open_files()
+        os._exit(self._code)
+
+
+_exit_guard = _ExitGuard()
 
 
 def _mark_failing() -> None:
