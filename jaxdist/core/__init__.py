@@ -13,9 +13,17 @@ What other packages use from here without naming a module: the type aliases (``P
 the input path's finite-value check.
 """
 
-from jaxdist.core._datacheck import warn_non_finite as warn_non_finite
 from jaxdist.core._types import Metrics as Metrics
 from jaxdist.core._types import PyTree as PyTree
 from jaxdist.core._types import StepFn as StepFn
 
 __all__ = ["Metrics", "PyTree", "StepFn", "warn_non_finite"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: the launcher imports jaxdist.core.progress and never needs JAX.
+    if name == "warn_non_finite":
+        from jaxdist.core._datacheck import warn_non_finite
+
+        return warn_non_finite
+    raise AttributeError(f"module 'jaxdist.core' has no attribute {name!r}")
