@@ -433,9 +433,11 @@ def _leave_after_error() -> None:
     collective: the job hung until the hang timeout blamed a healthy rank. What the shutdown is
     for (peers that see a clean leave) does not apply to a process that failed: the launcher
     ends the group as soon as one exits. So: the script's ``atexit`` handlers (at most
-    ``_LEAVE_HANDLERS_S``, bounded by ``_exit_guard``; ``logging.shutdown`` is one of them; JAX's
-    own finds no runtime to leave), every open file flushed, the heartbeat's last progress
-    written, then ``os._exit`` with the failure's status.
+    ``_LEAVE_HANDLERS_S``, bounded by ``_exit_guard``; ``logging.shutdown`` is one of them, and
+    JAX's own, whose ``jax.distributed.shutdown`` completes at once where the peers are leaving
+    too, as a refused joiner's are, and waits out the bound where they wait in a collective),
+    every open file flushed, the heartbeat's last progress written, then ``os._exit`` with the
+    failure's status.
     """
     code = _failure_code()
     if code is None:
@@ -449,26 +451,12 @@ def _leave_after_error() -> None:
         beat = heartbeat._current  # made by the training loop, if it ran
         if beat is not None:
             beat.close()
-        _detach_from_the_job()
         # On this (the main) thread: Python 3.12 starts no thread once the interpreter is ending.
         _exit_guard.arm(code)
         atexit._run_exitfuncs()
         _flush_open_files()
     finally:
         os._exit(code)
-
-
-_detached: list = []  # the runtime's objects a failing process let go of, kept alive to the end
-
-
-def _detach_from_the_job() -> None:
-    """Makes JAX's own exit handler (``jax.distributed.shutdown``, whose barrier waits for peers
-    that wait for this process in a collective) find no runtime to leave. The objects are kept,
-    not destroyed: a destructor could wait the same way."""
-    state = _distributed_state()
-    for name in ("preemption_sync_manager", "client", "service"):
-        _detached.append(getattr(state, name, None))
-        setattr(state, name, None)
 
 
 class _ExitGuard:
