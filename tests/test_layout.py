@@ -414,3 +414,22 @@ def test_import_jaxdist_and_the_launcher_load_no_jax():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     assert jaxdist.fit.__module__ == "jaxdist.training.fit"  # a name loads as it did
+
+
+def test_the_top_packages_lazy_names_are_the_names_type_checkers_see():
+    # jaxdist/__init__.py lists each public name twice: in the tables its __getattr__ loads from,
+    # and as imports in its TYPE_CHECKING block (what mypy and IDEs read). They must not drift.
+    tree = ast.parse(open(os.path.join(PKG, "__init__.py")).read())
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and getattr(node.test, "id", None) == "TYPE_CHECKING")
+    seen = {}
+    for node in block.body:
+        for alias in node.names:
+            assert (alias.asname or alias.name) == alias.name, alias.name  # re-exported as itself
+            seen[alias.name] = f"{node.module}.{alias.name}"
+    tables = {**{n: f"{m}.{n}" for n, m in jaxdist._PUBLIC.items()}, **jaxdist._NAMESPACES}
+    assert seen.keys() == tables.keys() == set(jaxdist.__all__)
+    for name, path in seen.items():  # the same object, however the path is spelled
+        value = getattr(jaxdist, name)  # first: it imports a namespace's module
+        module, attr = path.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), attr) is value, name

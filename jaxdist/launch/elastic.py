@@ -343,17 +343,23 @@ class Agent:
 
     def run(self) -> int:
         """Runs rounds until the job is done, this agent leaves, or too few agents remain."""
+        answered = False  # whether another host's store answered this one's probe
         if self.server is not None:
             self.say(f"serving the rendezvous store on {self.store.address}")
             self.store.set("server", self.id)
         else:
             try:  # a port held by another program, or another job's token: say so at once
-                probe(self.store.address)
+                answered = probe(self.store.address)
             except RendezvousError as e:
                 self.say(str(e))
                 return 2
-        self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
-        self.store.set_if_absent("done", 0)  # so that the job's end never needs a new key
+        try:
+            self.store.set_if_absent("open", 0, timeout_s=self.rdzv_timeout_s)
+            self.store.set_if_absent("done", 0)  # so that the job's end never needs a new key
+        except RendezvousError as e:
+            if not answered:  # no store ever answered: a wrong endpoint, or it never came up
+                raise
+            return self._store_went_away(e)  # a job that ended as this host arrived
         threading.Thread(target=self._beat, daemon=True).start()
         if self.server is not None:
             threading.Thread(target=self._close_rounds, daemon=True).start()
@@ -409,9 +415,7 @@ class Agent:
                     self.l.restarts += 1
         except RendezvousError as e:
             if self._round < 0:  # never in a round: no process of this host ran
-                self.say(f"the rendezvous store went away before this host joined a round ({e}): "
-                         "the job has ended, or its store's host is gone; nothing ran here")
-                return 0
+                return self._store_went_away(e)
             self.say(f"lost the rendezvous store ({e}); stopping this host's processes")
             return 1
         finally:
@@ -797,6 +801,11 @@ class Agent:
         self.store.close()
         self.store = RendezvousClient(address, self.rdzv_id)
 
+    def _store_went_away(self, e: RendezvousError) -> int:
+        self.say(f"the rendezvous store went away before this host joined a round ({e}): the "
+                 "job has ended, or its store's host is gone; nothing ran here")
+        return 0
+
     def _linger(self) -> None:
         """The job is done: the serving agent keeps the store up until the other agents have
         read that and left (or their heartbeats stopped), at most two host timeouts, so that a
@@ -879,12 +888,19 @@ class Refused(RuntimeError):
 
 
 def _identity(launcher: Any) -> dict[str, Any]:
-    """What must match across the job's hosts: the versions and devices per process."""
-    import jax
+    """What must match across the job's hosts: the versions and devices per process (JAX's
+    version as installed: an agent never imports JAX)."""
+    import importlib.metadata
 
     from jaxdist._version import __version__
 
-    return {"jaxdist": __version__, "jax": jax.__version__,
+    try:
+        jax_version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:  # not installed as a distribution
+        import jax
+
+        jax_version = jax.__version__
+    return {"jaxdist": __version__, "jax": jax_version,
             "devices_per_process": launcher.options.devices_per_process}
 
 

@@ -147,14 +147,24 @@ class HangDetector:
         timeout = self.timeout_s
         if self._armed_at is None or timeout is None:
             return []
-        hung = []
-        for rank in running:
-            since = self._changed[rank] if self._changed[rank] is not None else self._armed_at
-            if now - since > timeout:
-                pid, beat = self._ranks[rank], self._beats[rank]
-                hung.append(Hung(rank, pid, self.last_steps()[rank], now - since,
-                                 process_state(pid), None if beat is None else beat.dispatched))
-        return hung
+        def silent_s(rank: int) -> float:
+            since = self._changed[rank]
+            return now - (since if since is not None else self._armed_at)
+
+        hung = [rank for rank in running if silent_s(rank) > timeout]
+        if hung:
+            # A rank behind the hung ones is the one they wait for, though its last report may
+            # have reached this host up to a beat later than theirs (heartbeats are written on
+            # a timer): it is named too.
+            def dispatched(rank: int) -> int:
+                beat = self._beats[rank]
+                return -1 if beat is None else beat.dispatched
+            floor = min(dispatched(rank) for rank in hung)
+            hung = sorted({*hung, *(rank for rank in running if dispatched(rank) < floor)})
+        return [Hung(rank, self._ranks[rank], self.last_steps()[rank], silent_s(rank),
+                     process_state(self._ranks[rank]),
+                     None if self._beats[rank] is None else self._beats[rank].dispatched)
+                for rank in hung]
 
 
 def waited_for(dispatched: dict[int, int | None]) -> str:

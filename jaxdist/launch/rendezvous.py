@@ -1158,7 +1158,7 @@ def _first_answer(address: str, timeout_s: float) -> bytes | None:
     return answer if answer or silent else None
 
 
-def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> None:
+def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> bool:
     """Checks that what listens on ``address`` is a rendezvous store that takes this host's token.
 
     An agent that cannot bind the rendezvous endpoint calls this once, so that a port held by
@@ -1171,12 +1171,16 @@ def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> 
       token: the token this host sends (default: ``$JAXDIST_RDZV_TOKEN``, if set).
       timeout_s: how long to wait for each answer (so at most about twice this in all).
 
+    Returns:
+      Whether a store answered (False: nothing could be told yet).
+
     Raises:
       RendezvousError: something other than a store holds the port (it sends nothing, or is
         not HTTP/2, or has no store methods), or a store refuses this host's token.
 
     >>> server, port = serve("127.0.0.1:0", token="s3cret")
     >>> probe(f"127.0.0.1:{port}", token="s3cret")
+    True
     >>> probe(f"127.0.0.1:{port}", token="other")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     jaxdist.launch.rendezvous.RendezvousError: the rendezvous store at 127.0.0.1:... refuses ...
@@ -1186,7 +1190,7 @@ def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> 
     token = token if token is not None else os.environ.get(ENV_TOKEN)
     answer = _first_answer(address, timeout_s)
     if answer is None:
-        return
+        return False
     if not answer:
         raise _not_a_store(address, f"accepts connections but answers nothing within "
                                     f"{timeout_s:g} s")
@@ -1215,3 +1219,4 @@ def probe(address: str, *, token: str | None = None, timeout_s: float = 3.0) -> 
         # DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED: a store that is busy or going.
     finally:
         channel.close()
+    return True
