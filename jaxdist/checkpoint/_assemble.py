@@ -38,7 +38,13 @@ logger = logging.getLogger("jaxdist.checkpoint.memstate")
 
 
 class StateMismatchError(RuntimeError):
-    """This process's state differs from the job's (another model, shapes or dtypes)."""
+    """This process's state differs from the job's (another model, shapes or dtypes).
+
+    Every process of the job learns it at once: the others end cleanly (``RejoinRequired``), and
+    their ``jax.distributed.shutdown`` waits for this process's, which a process ending on this
+    error therefore still calls (``peers_leave_too``: see ``jaxdist.launch.runtime``)."""
+
+    peers_leave_too = True
 
 
 class RejoinRequired(SystemExit):

@@ -434,8 +434,7 @@ def _leave_after_error() -> None:
     for (peers that see a clean leave) does not apply to a process that failed: the launcher
     ends the group as soon as one exits. So: the script's ``atexit`` handlers (at most
     ``_LEAVE_HANDLERS_S``, bounded by ``_exit_guard``; ``logging.shutdown`` is one of them, and
-    JAX's own, whose ``jax.distributed.shutdown`` completes at once where the peers are leaving
-    too, as a refused joiner's are, and waits out the bound where they wait in a collective),
+    JAX's own finds no runtime to leave unless the peers leave too: ``_detach_from_the_job``),
     every open file flushed, the heartbeat's last progress written, then ``os._exit`` with the
     failure's status.
     """
@@ -451,12 +450,31 @@ def _leave_after_error() -> None:
         beat = heartbeat._current  # made by the training loop, if it ran
         if beat is not None:
             beat.close()
+        if not getattr(getattr(sys, "last_value", None), "peers_leave_too", False):
+            _detach_from_the_job()
         # On this (the main) thread: Python 3.12 starts no thread once the interpreter is ending.
         _exit_guard.arm(code)
         atexit._run_exitfuncs()
         _flush_open_files()
     finally:
         os._exit(code)
+
+
+_detached: list = []  # the runtime's objects a failing process let go of, kept alive to the end
+
+
+def _detach_from_the_job() -> None:
+    """Makes JAX's own exit handler find no runtime to leave: its ``jax.distributed.shutdown``
+    waits in a barrier for every peer, and the peers of a process that failed on its own wait
+    for it in the step's collective, so the process would wait out ``_LEAVE_HANDLERS_S`` (the
+    launcher ends the peers once it exits). The objects are kept, not destroyed: a destructor
+    could wait the same way. Not for an error every process knows of at once (an exception
+    with ``peers_leave_too``, such as a joiner's ``StateMismatchError``): the others then leave
+    cleanly, and their shutdown waits for this process's until JAX's heartbeat timeout."""
+    state = _distributed_state()
+    for name in ("preemption_sync_manager", "client", "service"):
+        _detached.append(getattr(state, name, None))
+        setattr(state, name, None)
 
 
 class _ExitGuard:
