@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -735,31 +736,34 @@ def main() -> None:
         # Later compiles of the same program (the launched runs' especially) read the first's.
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "xla-cache"))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        ref = None
-        if "inproc" in args.parts:
-            out = os.path.join(tmp, "inproc.json")
-            ref = os.path.join(tmp, "reference.npz") if "launch" in args.parts else None
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-            # A process of its own: its device memory is given back before the launched runs.
-            try:
-                code = subprocess.run([sys.executable, os.path.abspath(__file__), "--config-json",
-                                       json.dumps(cfg), "--inproc-out", out,
-                                       *(["--ref-out", ref] if ref else [])], env=env, cwd=ROOT,
-                                      timeout=args.part_timeout).returncode
-            except subprocess.TimeoutExpired:
-                raise SystemExit(f"the in-process loops did not end within --part-timeout "
-                                 f"{args.part_timeout:g} s") from None
-            if code != 0:
-                raise SystemExit(f"the in-process loops failed (exit code {code}; output above)")
-            with open(out) as f:
-                res.update(json.load(f))
-            cfg["attention"] = res["attention"]  # what "auto" chose
-            save()
-        if "launch" in args.parts:
-            run_launch(cfg, tmp, ref, res.get("reference_moved"), args.part_timeout, res, save)
-        if "kill" in args.parts:
-            run_kill(cfg, tmp, args.part_timeout, res, save)
+        try:  # the runs' parameters, backups and (unless one was set) compilation cache
+            ref = None
+            if "inproc" in args.parts:
+                out = os.path.join(tmp, "inproc.json")
+                ref = os.path.join(tmp, "reference.npz") if "launch" in args.parts else None
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+                # A process of its own: its device memory is given back before the launched runs.
+                try:
+                    code = subprocess.run([sys.executable, os.path.abspath(__file__), "--config-json",
+                                           json.dumps(cfg), "--inproc-out", out,
+                                           *(["--ref-out", ref] if ref else [])], env=env, cwd=ROOT,
+                                          timeout=args.part_timeout).returncode
+                except subprocess.TimeoutExpired:
+                    raise SystemExit(f"the in-process loops did not end within --part-timeout "
+                                     f"{args.part_timeout:g} s") from None
+                if code != 0:
+                    raise SystemExit(f"the in-process loops failed (exit code {code}; output above)")
+                with open(out) as f:
+                    res.update(json.load(f))
+                cfg["attention"] = res["attention"]  # what "auto" chose
+                save()
+            if "launch" in args.parts:
+                run_launch(cfg, tmp, ref, res.get("reference_moved"), args.part_timeout, res, save)
+            if "kill" in args.parts:
+                run_kill(cfg, tmp, args.part_timeout, res, save)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         res["load"] = (f"{' + '.join(args.parts)}: {res['load']} at the start, {_load()} at the "
                        "end")
     res["summary"] = summarize(res)
