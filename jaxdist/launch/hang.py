@@ -129,7 +129,9 @@ class HangDetector:
         return dict(self._beats)
 
     def check(self, running: Sequence[int]) -> list[Hung]:
-        """Reads the heartbeats; returns the ``running`` ranks that are hung (empty if none)."""
+        """Reads the heartbeats; returns the ``running`` ranks that are hung (empty if none), and
+        with them any running rank behind them (fewer steps dispatched: the one they wait for),
+        in rank order."""
         now = self._clock()
         for rank in self._ranks:
             beat = read_heartbeat(self._dir, rank)
