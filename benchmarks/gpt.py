@@ -573,10 +573,15 @@ def summarize(res: dict) -> dict:
     # A deterministic resume is bit-exact: the killed run ends on the uninterrupted one's
     # parameters (1e-6 of the distance training moved them), not merely near them.
     summary["kill_tolerance"] = 1e-6 if cfg.get("deterministic") else cfg["tolerance"]
+    kills = res.get("kill", {}).values()
     summary["kill_ok"] = all(
         k["resumed_from"] == "memory" and k["recomputed"] is not None and k["announced"] is not None
-        and k["recomputed"] <= k["announced"] and k["distance"] <= summary["kill_tolerance"]
-        for k in res.get("kill", {}).values())
+        and k["distance"] <= summary["kill_tolerance"] for k in kills)
+    # The bound is the tier's estimate from the copies and writes it timed: a write slower than
+    # any timed (a loaded CPU) can break it. Held on a device; on a CPU, a figure (see main).
+    summary["kill_within_bound"] = all(
+        k["recomputed"] is not None and k["announced"] is not None
+        and k["recomputed"] <= k["announced"] for k in kills)
     on = res.get("launch", {}).get("on", [])
     summary["tier_enabled_ok"] = all(r["tier_enabled"] is True for r in on) and all(
         r["tier_enabled"] is not True for r in res.get("launch", {}).get("off", []))
@@ -771,16 +776,24 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    # Exit codes after a printed report: 3 the loops disagree, 4 a launched run failed (a part
-    # that could not run at all exits 1, as any Python error does).
+    # Exit codes after a printed report: 3 the loops disagree, 5 a SIGKILL did not resume from
+    # memory exactly (or, on a device, computed more again than announced), 4 a launched run
+    # failed (a part that could not run at all exits 1, as any Python error does).
     if not res["summary"]["same_numbers_ok"]:
         print("the loops did not compute the same thing (see 'same numbers' above): their figures "
               "do not compare like with like", file=sys.stderr)
         raise SystemExit(3)
     if not res["summary"]["kill_ok"]:
-        print("a SIGKILL computed more steps again than the tier announced, or did not resume "
-              "from memory (see 'SIGKILL' above)", file=sys.stderr)
+        print("a SIGKILL did not resume from memory, or not on the uninterrupted run's "
+              "parameters (see 'SIGKILL' above)", file=sys.stderr)
         raise SystemExit(5)
+    if not res["summary"]["kill_within_bound"]:
+        on_cpu = cfg["tiny"] or res.get("platform") == "cpu"
+        print("a SIGKILL computed more steps again than the tier announced (see 'SIGKILL' "
+              f"above){': on a shared CPU, timing, not plumbing' if on_cpu else ''}",
+              file=sys.stderr)
+        if not on_cpu:
+            raise SystemExit(5)
     if res.get("launch_errors"):
         print(f"{len(res['launch_errors'])} launched run(s) failed (see above)", file=sys.stderr)
         raise SystemExit(4)

@@ -8,9 +8,11 @@ missed are named on the last line). A target's threshold can be changed for one 
 check is shown to fail: set one out of reach.
 
 ``--dry-run`` is the session's run at tiny sizes on a CPU: its speeds say nothing, so the targets
-a device's speed sets (the ratios, and the bounds the tier derives from what its copies cost) only
-ask for a figure unless one is set explicitly; every correctness target (same numbers, the kill
-within the bound announced before it, bit-exact resume, the tier switched on) holds as on a GPU.
+a device's speed sets (the ratios, the bounds the tier derives from what its copies cost, and
+whether a SIGKILL stayed within the bound announced before it: a write slower than any the tier
+timed, as a loaded CPU has, breaks that estimate) only ask for a figure unless one is set
+explicitly; every correctness target (same numbers, bit-exact resume from memory, the tier
+switched on) holds as on a GPU.
 
     python benchmarks/gpu_verdict.py DIR [--dry-run] [--target NAME=VALUE ...]
 """
@@ -43,7 +45,7 @@ TARGETS: dict[str, tuple[str, str, str, float, bool]] = {
                        "announced (largest)", "max", 8, True),
     "kill.within_bound": ("gpt_kill.json", "steps computed again after the SIGKILL, less "
                           "the bound announced before it (replicated and zero_stage=3)", "max", 0,
-                          False),
+                          True),
     "kill.from_memory": ("gpt_kill.json", "resumed from the memory tier, tier on "
                          "(replicated and zero_stage=3)", "true", 1, False),
     "kill.exact": ("gpt_kill.json", "parameters after the kill / uninterrupted run's, "

@@ -216,6 +216,10 @@ class TierMeasurements(NamedTuple):
     call_steps: int  # steps per call of the loop
     copy_gaps: tuple[int, ...]  # steps between the copies and between the writes, as they came
     write_gaps: tuple[int, ...]
+    # The slowest recent write and landing (None: as persist_s and land_s): the bounds promise
+    # what a failure may cost, so they count the slow ones a loaded host has, not the median
+    persist_worst_s: float | None = None
+    land_worst_s: float | None = None
 
 
 class TierChoice(NamedTuple):
@@ -268,8 +272,8 @@ def _choose(m: TierMeasurements, *, every: int | None, budget: float, host_is_de
     """
     step = m.step_s
     copy_cost, persist_cost = _charges(_parts(m), host_is_device)
-    writes = max(1, math.ceil(m.persist_s / step))
-    land = m.copy_s if m.land_s is None else m.land_s
+    writes = max(1, math.ceil(max(m.persist_s, m.persist_worst_s or 0) / step))
+    land = m.copy_s if m.land_s is None else max(m.land_s, m.land_worst_s or 0)
     lands = max(1, math.ceil(land / step))  # steps a copy takes to be ready after its step
     if every is not None:
         copy_every = k = every
@@ -414,7 +418,9 @@ class _Cadence:
             probe=(0 if not self._paced else 1 if self._rhythm.period is None
                    else self._rhythm.span + 2 * self._rhythm.period),
             copies_timed=len(self._loops), call_steps=self.call_steps(),
-            copy_gaps=tuple(self._copy_gaps), write_gaps=tuple(self._write_gaps))
+            copy_gaps=tuple(self._copy_gaps), write_gaps=tuple(self._write_gaps),
+            persist_worst_s=max(p[1] for p in self._persists),
+            land_worst_s=max(self._lands) if self._lands else None)
         self.parts = _parts(m)
         choice = self._choice_of(m, host_is_device=self.host_is_device)
         self.copy_every, self.k, self.bound, self.bound_all = choice
