@@ -53,7 +53,21 @@ def make_venv(env_dir) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
+    # Under pytest-xdist each worker that runs a test of this module builds the fixture, and two
+    # builds of one checkout collide in its build/ directory ("File exists: build/bdist...",
+    # once under -n 2): the workers share one wheel, built by the first under a lock.
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()  # under xdist, this run's folder is its parent
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jaxdist-wheel"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = list(shared.glob("jaxdist-*.whl"))
+        return built[0] if built else _build_wheel(shared)
+
+
+def _build_wheel(out):
     try:
         import setuptools  # noqa: F401 - the build backend, used without isolation (offline)
         offline = ["--no-build-isolation", "--no-index"]
