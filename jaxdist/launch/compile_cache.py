@@ -216,6 +216,17 @@ def _runs_on_cpu(platforms: str | None = None) -> bool:
     return importlib.util.find_spec("libtpu") is None
 
 
+def installed_jax_version() -> str | None:
+    """JAX's version as installed (its distribution's metadata), read without importing JAX (the
+    launcher's processes never do); None where JAX is not installed as a distribution."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def cache_hangs(num_processes: int, platforms: str | None = None,
                 jax_version: str | None = None) -> bool:
     """Whether a job of ``num_processes`` processes would hang reading its executables from the
@@ -231,11 +242,8 @@ def cache_hangs(num_processes: int, platforms: str | None = None,
     if num_processes <= 1:
         return False
     if jax_version is None:
-        import importlib.metadata
-
-        try:
-            jax_version = importlib.metadata.version("jax")
-        except importlib.metadata.PackageNotFoundError:
+        jax_version = installed_jax_version()
+        if jax_version is None:
             return False
     if _version(jax_version) < _CPU_MULTIPROCESS_BROKEN_FROM:
         return False

@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from jaxdist.launch import statedir
+from jaxdist.launch import compile_cache, statedir
 from jaxdist.launch._procs import describe_exit, free_ports
 from jaxdist.launch.cluster import ClusterSpec, join_address, split_address
 from jaxdist.launch.hang import HangDetector, waited_for
@@ -890,13 +890,10 @@ class Refused(RuntimeError):
 def _identity(launcher: Any) -> dict[str, Any]:
     """What must match across the job's hosts: the versions and devices per process (JAX's
     version as installed: an agent never imports JAX)."""
-    import importlib.metadata
-
     from jaxdist._version import __version__
 
-    try:
-        jax_version = importlib.metadata.version("jax")
-    except importlib.metadata.PackageNotFoundError:  # not installed as a distribution
+    jax_version = compile_cache.installed_jax_version()
+    if jax_version is None:  # not installed as a distribution
         import jax
 
         jax_version = jax.__version__
