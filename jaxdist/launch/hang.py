@@ -163,8 +163,8 @@ class HangDetector:
                 return -1 if beat is None else beat.dispatched
             floor = min(dispatched(rank) for rank in hung)
             hung = sorted({*hung, *(rank for rank in running if dispatched(rank) < floor)})
-        last = self.last_steps()
-        return [Hung(rank, self._ranks[rank], last[rank], silent_s(rank),
+        last_step = self.last_steps()
+        return [Hung(rank, self._ranks[rank], last_step[rank], silent_s(rank),
                      process_state(self._ranks[rank]),
                      None if self._beats[rank] is None else self._beats[rank].dispatched)
                 for rank in hung]
